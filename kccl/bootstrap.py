@@ -1,0 +1,122 @@
+"""Bootstrap of the shm transport over MPI: name the segments, create, map every peer's, unlink.
+
+MPI is used here only (a bcast of one name string, Allreduce of ok flags, Barriers). The steps:
+
+1. rank 0 picks a base name "<prefix>-<pid>-<random>" and broadcasts it;
+2. every rank creates "<base>-r<rank>" (O_EXCL, fallocated), writes its header (pid, start time,
+   layout hash) and marks it READY; all ranks agree that every create succeeded;
+3. every rank maps every peer's segment and checks its header; all ranks agree again;
+4. every rank unlinks its own name (unless `unlink_after_attach=False`); the mappings stay.
+
+A failure on any rank makes every rank unlink what it created and raise KcclError, with no hang.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+
+from . import layout as L
+from .errors import KcclError
+from .shm import SHM_DIR, Segment, process_starttime, segment_prefix, unlink_quietly
+
+
+def _agree(comm, ok: bool) -> bool:
+    """True on every rank iff `ok` on every rank (uppercase Allreduce: no pickle)."""
+    from mpi4py import MPI
+
+    flag = np.array([1 if ok else 0], dtype=np.int64)
+    result = np.zeros(1, dtype=np.int64)
+    comm.Allreduce(flag, result, op=MPI.MIN)
+    return bool(result[0])
+
+
+def check_one_host(comm) -> int:
+    """Raise unless every rank of `comm` shares this host's memory; return the number of local ranks."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        nlocal = local.Get_size()
+    finally:
+        local.Free()
+    if not _agree(comm, nlocal == comm.Get_size()):
+        raise KcclError("the shm transport needs every rank on one host (shared memory); "
+                        f"this rank sees {nlocal} of {comm.Get_size()} ranks locally")
+    return nlocal
+
+
+def write_header(seg: Segment, lay: L.SegmentLayout, rank: int) -> None:
+    w = seg.words
+    w[L.H_VERSION] = L.VERSION
+    w[L.H_NRANKS] = lay.nranks
+    w[L.H_RANK] = rank
+    w[L.H_PID] = os.getpid()
+    w[L.H_STARTTIME] = process_starttime(os.getpid())
+    w[L.H_LAYOUT_HASH] = lay.layout_hash
+    w[L.H_SIZE] = lay.size
+    w[L.H_MAGIC] = L.MAGIC
+    w[L.H_STATE] = L.STATE_READY
+
+
+def check_header(seg: Segment, lay: L.SegmentLayout, rank: int) -> None:
+    w = seg.words
+    problems = []
+    if w[L.H_MAGIC] != L.MAGIC or w[L.H_STATE] != L.STATE_READY:
+        problems.append("not a ready kccl segment")
+    if w[L.H_RANK] != rank:
+        problems.append(f"rank {w[L.H_RANK]} != {rank}")
+    if w[L.H_LAYOUT_HASH] != lay.layout_hash:
+        problems.append("layout differs (max_floats, depth, tags and nranks must match on every rank)")
+    if problems:
+        raise KcclError(f"{seg.path}: " + "; ".join(problems))
+
+
+def open_segments(comm, lay: L.SegmentLayout, prefix: str | None = None,
+                  unlink_after_attach: bool = True) -> list[Segment]:
+    """Create this rank's segment and map every peer's; returns segments indexed by rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    base = None
+    if rank == 0:
+        base = f"{prefix or segment_prefix()}-{os.getpid()}-{secrets.token_hex(4)}"
+    base = comm.bcast(base, root=0)  # bootstrap only: one string
+    paths = [os.path.join(SHM_DIR, f"{base}-r{r}") for r in range(size)]
+
+    own, error = None, None
+    try:
+        own = Segment.create(paths[rank], lay.size)
+        write_header(own, lay, rank)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = exc
+    if not _agree(comm, error is None):
+        if own is not None:
+            own.unlink()
+            own.close()
+        raise KcclError(f"rank {rank}: creating shared-memory segments failed"
+                        + (f": {error}" if error else " on another rank")) from error
+
+    segs: list[Segment | None] = [None] * size
+    segs[rank] = own
+    try:
+        for r in range(size):
+            if r != rank:
+                segs[r] = Segment.open(paths[r], lay.size)
+                check_header(segs[r], lay, r)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    if not _agree(comm, error is None):
+        for seg in segs:
+            if seg is not None:
+                seg.close()
+        own.unlink()
+        for r in range(size):
+            if r != rank:
+                unlink_quietly(paths[r])
+        raise KcclError(f"rank {rank}: mapping peer segments failed"
+                        + (f": {error}" if error else " on another rank")) from error
+    if unlink_after_attach:
+        comm.Barrier()  # every rank has mapped every segment: the names are no longer needed
+        own.unlink()
+    return segs
