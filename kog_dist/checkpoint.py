@@ -1,0 +1,271 @@
+"""Checkpoints in the spec's layout: safetensors files (one, or sharded with an index), validated
+against the config before any compute, readable one lane slice at a time.
+
+The files are memory-mapped and parsed here (the format is an 8-byte header length, a JSON header and
+raw little-endian data), so a rank that owns lanes [a, b) touches only those bytes of each lane-first
+tensor, and bf16 needs no extra package.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+
+from .config import ConfigError, LaneformerConfig, load_config
+from .progress import Progress
+
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or the format; the message is one line."""
+
+
+# -- names and shapes -------------------------------------------------------------------------------
+LANE_TENSORS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+
+
+def expected_tensors(cfg: LaneformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the spec requires, with its shape."""
+    D, L, hd, V = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, cfg.vocab_size
+    q, kv, f = cfg.heads_per_lane * hd, cfg.kv_heads_per_lane * hd, cfg.ffn_per_lane
+    norm = (lambda n: (f"{n}.weight", (D,))) if cfg.replicated_rmsn_scale else (lambda n: (f"{n}.scale", (L, D)))
+    out = {"model.tok_embeddings.weight": (V, D)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for n in ("attention_norm", "ffn_norm"):
+            name, shape = norm(p + n)
+            out[name] = shape
+        out[p + "attention.wq.weight"] = (L, q, D)
+        out[p + "attention.wk.weight"] = (L, kv, D)
+        out[p + "attention.wv.weight"] = (L, kv, D)
+        out[p + "attention.wo.weight"] = (L, D, q)
+        out[p + "feed_forward.w1.weight"] = (L, f, D)
+        out[p + "feed_forward.w3.weight"] = (L, f, D)
+        out[p + "feed_forward.w2.weight"] = (L, D, f)
+    name, shape = norm("model.norm")
+    out[name] = shape
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (V, D)
+    return out
+
+
+def is_lane_first(name: str) -> bool:
+    return any(f".{t}." in name for t in LANE_TENSORS) or (name.endswith(".scale"))
+
+
+# -- reading ----------------------------------------------------------------------------------------
+class _File:
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._f = open(path, "rb")
+        except OSError as e:
+            raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
+        size = os.fstat(self._f.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file")
+        (hlen,) = struct.unpack("<Q", self._f.read(8))
+        if hlen > min(size - 8, 100 << 20):
+            raise CheckpointError(f"{path} is truncated or not safetensors (header of {hlen} bytes)")
+        try:
+            self.header = json.loads(self._f.read(hlen))
+            assert isinstance(self.header, dict)
+        except (ValueError, AssertionError):
+            raise CheckpointError(f"{path} has a malformed safetensors header") from None
+        self.data_start = 8 + hlen
+        self.size = size
+        self.mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+        for name, meta in self.header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                b, e = meta["data_offsets"]
+                dtype, shape = meta["dtype"], meta["shape"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: tensor {name} has a malformed header entry") from None
+            if dtype not in DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype} "
+                                      f"(supported: {', '.join(DTYPES)})")
+            if self.data_start + e > size:
+                raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte "
+                                      f"{self.data_start + e} of {size}")
+            if e - b != int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]:
+                raise CheckpointError(f"{path}: tensor {name} has {e - b} bytes for shape {shape} {dtype}")
+
+    def close(self):
+        if self.mm is not None:
+            self.mm.close()
+        self._f.close()
+
+
+class CheckpointReader:
+    """Opens a checkpoint, checks every expected tensor, then serves lane slices on demand."""
+
+    def __init__(self, model_dir: str, cfg: LaneformerConfig | None = None):
+        if not os.path.isdir(model_dir):
+            raise CheckpointError(f"model directory {model_dir} does not exist")
+        self.dir = model_dir
+        self.cfg = cfg or load_config(model_dir)
+        self.files: dict[str, _File] = {}
+        self.where: dict[str, _File] = {}
+        self.nbytes_read = 0
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    wmap = json.load(f)["weight_map"]
+                assert isinstance(wmap, dict)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise CheckpointError(f"{index} is malformed (needs a 'weight_map' object)") from None
+            for fname in sorted(set(wmap.values())):
+                self.files[fname] = _File(os.path.join(model_dir, fname))
+        else:
+            names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+            if not names:
+                raise CheckpointError(f"no .safetensors files in {model_dir}")
+            for fname in names:
+                self.files[fname] = _File(os.path.join(model_dir, fname))
+        for f in self.files.values():
+            for name in f.header:
+                if name != "__metadata__":
+                    self.where[name] = f
+        self._validate()
+
+    def _validate(self) -> None:
+        for name, shape in expected_tensors(self.cfg).items():
+            f = self.where.get(name)
+            if f is None:
+                raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.dir}")
+            got = tuple(f.header[name]["shape"])
+            if got != shape:
+                raise CheckpointError(f"tensor {name} has shape {list(got)}, the config needs {list(shape)}")
+
+    def dtype(self, name: str) -> str:
+        return self.where[name].header[name]["dtype"]
+
+    def raw(self, name: str, lanes: range | None = None, rows: np.ndarray | None = None):
+        """The storage bits of a tensor (or of lanes [a, b) of a lane-first one, or some rows of a
+        2-D one) and the dtype name. BF16 comes back as a uint16 view."""
+        f = self.where[name]
+        meta = f.header[name]
+        dt, shape = meta["dtype"], tuple(meta["shape"])
+        np_dt = DTYPES[dt]
+        start = f.data_start + meta["data_offsets"][0]
+        arr = np.frombuffer(f.mm, dtype=np_dt, count=int(np.prod(shape)), offset=start).reshape(shape)
+        if lanes is not None and is_lane_first(name):
+            arr = arr[lanes.start:lanes.stop]
+        if rows is not None:
+            arr = arr[rows]
+        out = np.array(arr, copy=True)  # copies only the pages of the selected slice
+        self.nbytes_read += out.nbytes
+        return out, dt
+
+    def tensor(self, name: str, lanes: range | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        return to_float32(*self.raw(name, lanes, rows))
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def to_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, rounding to nearest even."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+class Weights(dict):
+    """name -> float32 array; lane-first tensors hold only `lanes`. Norm scales are always [L_local, D]."""
+    lanes: range
+    nbytes_stored: int = 0
+
+
+def load_weights(model_dir: str, lanes: range | None = None, progress: bool | None = None,
+                 cfg: LaneformerConfig | None = None):
+    """Read the config and the (lane-sliced) weights as float32. Returns (cfg, Weights, reader).
+    The embedding table stays in the reader: rows are read on demand."""
+    try:
+        cfg = cfg or load_config(model_dir)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    reader = CheckpointReader(model_dir, cfg)
+    lanes = lanes if lanes is not None else range(cfg.num_lanes)
+    names = [n for n in expected_tensors(cfg) if n != "model.tok_embeddings.weight"]
+    total = sum(_slice_bytes(reader, n, lanes, cfg) for n in names)
+    if progress is None:
+        progress = total > (256 << 20)
+    w = Weights()
+    w.lanes = lanes
+    with Progress("loading weights", total, enabled=progress) as bar:
+        for n in names:
+            a = reader.tensor(n, lanes)
+            if n.endswith("_norm.weight") or n == "model.norm.weight":
+                a = np.broadcast_to(a, (len(lanes), cfg.hidden_size)).copy()
+            key = n.replace(".scale", ".weight")
+            w[key] = a
+            w.nbytes_stored += a.nbytes
+            bar.advance(_slice_bytes(reader, n, lanes, cfg))
+    if cfg.tie_word_embeddings:
+        w["lm_head.weight"] = reader.tensor("model.tok_embeddings.weight")
+        w.nbytes_stored += w["lm_head.weight"].nbytes
+    return cfg, w, reader
+
+
+class Model:
+    """What a rank needs of a checkpoint: config, its lanes' weights, embedding rows on demand."""
+
+    def __init__(self, model_dir: str, lanes: range | None = None, progress: bool | None = None):
+        self.dir = model_dir
+        self.cfg, self.weights, self.reader = load_weights(model_dir, lanes, progress)
+        self.lanes = self.weights.lanes
+
+    def embed(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token id outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        return self.reader.tensor("model.tok_embeddings.weight", rows=ids)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _slice_bytes(reader: CheckpointReader, name: str, lanes: range, cfg: LaneformerConfig) -> int:
+    meta = reader.where[name].header[name]
+    n = int(np.prod(meta["shape"])) * ITEMSIZE[meta["dtype"]]
+    return n * len(lanes) // cfg.num_lanes if is_lane_first(name) else n
+
+
+# -- writing ----------------------------------------------------------------------------------------
+def save_safetensors(path: str, tensors: dict[str, tuple[np.ndarray, str]], metadata: dict | None = None):
+    """Write tensors given as (array of storage bits or float32, dtype name) in the safetensors format."""
+    header, blobs, off = {}, [], 0
+    for name, (arr, dt) in tensors.items():
+        if dt == "BF16" and arr.dtype != np.uint16:
+            arr = bf16_bits(arr)
+        elif dt != "BF16":
+            arr = np.asarray(arr, dtype=DTYPES[dt])
+        b = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)

@@ -1,0 +1,164 @@
+"""`kog`: the command line. generate and checkpoint live here; the other subcommands belong to their
+packages and are dispatched to their `main(argv)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+
+SUBCOMMANDS = {  # name -> (module, one-line help)
+    "generate": (None, "decode one prompt (one process, or --np N ranks under mpiexec)"),
+    "checkpoint": (None, "write test checkpoints (kog checkpoint tiny DIR ...)"),
+    "bench": ("kog_dist.bench", "llama-bench style speed table (prefill, decode, GB/s, baselines)"),
+    "client": ("kog_dist.client", "talk to a running server: generate, health, stats, run SCRIPT.jsonl"),
+    "serve": ("workers.__main__", "run a rank (same as kog-worker; start it under mpiexec for several)"),
+    "topo": ("topology.cli", "machine topology report and rank placement plan"),
+    "launch": ("launch.cli", "start ranks with the launcher that is present (mpiexec, mpirun, srun)"),
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+def fail(msg: str, code: int = 2) -> int:
+    print(f"kog: error: {msg}", file=sys.stderr)
+    return code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as argparse does, without the usage dump
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = all")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-ids", default="", help="comma-separated ids that end the generation")
+
+
+def parse_ids(s: str, what: str = "--prompt-ids") -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"{what} must be comma-separated integers, got {s!r}") from None
+
+
+# -- kog generate --------------------------------------------------------------------------------
+def generate_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kog generate", description="Decode one prompt and print the text (or --json).")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    add_sampling_flags(p)
+    p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--np", type=int, default=1, dest="nranks", help="ranks (started under mpiexec)")
+    p.add_argument("--max-seq", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def cmd_generate(argv) -> int:
+    a = generate_parser().parse_args(argv)
+    if a.prompt is None and a.prompt_ids is None:
+        a.prompt = "Hello"
+    if a.nranks < 1:
+        raise UsageError("--np must be >= 1")
+    if a.model is None:
+        from .tiny import default_model_dir
+        a.model = default_model_dir()
+    if a.nranks > 1:
+        from workers.oneshot import run_under_mpiexec
+        return run_under_mpiexec(a)
+    from workers.oneshot import generate_one_process
+    out = generate_one_process(a)
+    emit(out, a.json)
+    return 0
+
+
+def emit(out: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out))
+        return
+    s = out["stats"]
+    print(out["text"])
+    print(f"\n[{out['backend']} x{out['ranks']}] prompt {out['prompt_tokens']} tokens, prefill "
+          f"{s['prefill_ms']:.1f} ms, {s['new_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tok/s "
+          f"(stop: {s['stop_reason']})", file=sys.stderr)
+
+
+# -- kog checkpoint tiny ------------------------------------------------------------------------------
+def cmd_checkpoint(argv) -> int:
+    p = _Parser(prog="kog checkpoint", description="Write a random checkpoint in the spec's layout.")
+    sub = p.add_subparsers(dest="kind", required=True, parser_class=_Parser)
+    t = sub.add_parser("tiny", help="random weights (config.json + safetensors)")
+    t.add_argument("dir")
+    for flag, key in (("--layers", "num_hidden_layers"), ("--hidden", "hidden_size"), ("--lanes", "num_lanes"),
+                      ("--heads", "num_attention_heads"), ("--kv-heads", "num_key_value_heads"),
+                      ("--ffn", "intermediate_size"), ("--vocab", "vocab_size"), ("--delay", "broadcast_delay"),
+                      ("--window", "sliding_window"), ("--window-layers", "sliding_window_n_layers"),
+                      ("--max-pos", "max_position_embeddings")):
+        t.add_argument(flag, dest=key, type=int, default=None)
+    t.add_argument("--dtype", default="f32", type=str.upper, choices=("F32", "F16", "BF16"))
+    t.add_argument("--shards", type=int, default=1)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--tie", dest="tie_word_embeddings", action="store_true", default=None)
+    for flag, key in (("--no-comm", "use_comm"), ("--no-early-comm", "use_early_comm"),
+                      ("--no-early-to-future", "early_layers_to_future")):
+        t.add_argument(flag, dest=key, action="store_false", default=None)
+    a = vars(p.parse_args(argv))
+    a.pop("kind")
+    out, dtype, shards, seed = a.pop("dir"), a.pop("dtype"), a.pop("shards"), a.pop("seed")
+    from .checkpoint import expected_tensors
+    from .tiny import write_tiny_checkpoint
+    cfg = write_tiny_checkpoint(out, dtype=dtype, shards=shards, seed=seed,
+                                **{k: v for k, v in a.items() if v is not None})
+    nparams = sum(math.prod(s) for s in expected_tensors(cfg).values())
+    print(f"wrote {out}: {cfg.num_hidden_layers} layers, D {cfg.hidden_size}, {cfg.num_lanes} lanes, "
+          f"δ {cfg.broadcast_delay}, V {cfg.vocab_size}, {nparams / 1e6:.2f}M params, {dtype}, {shards} shard(s)")
+    return 0
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+def usage() -> str:
+    lines = ["usage: kog COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {n:<11} {h}" for n, (_, h) in SUBCOMMANDS.items()]
+    lines += ["", "kog COMMAND --help for the flags of each."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        return fail(f"unknown command {name!r}; commands: {', '.join(SUBCOMMANDS)}")
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    try:
+        if name == "generate":
+            return cmd_generate(rest)
+        if name == "checkpoint":
+            return cmd_checkpoint(rest)
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except (UsageError, ConfigError, CheckpointError, ValueError, OSError) as e:
+        return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Laneformer configuration: config.json read exactly as spec/laneformer.md's table says."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a Laneformer; the message is one line."""
+
+
+@dataclass(frozen=True)
+class LaneformerConfig:
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    intermediate_size: int = 16384
+    vocab_size: int = 128256
+    num_lanes: int = 1
+    broadcast_delay: int = 1
+    use_comm: bool = True
+    use_early_comm: bool = True
+    early_layers_to_future: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    sliding_window: int | None = None
+    sliding_window_n_layers: int = 0
+    lm_head_type: str = "replicate"
+    replicated_rmsn_scale: bool = True
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list | None = None
+    bos_token_id: int | list | None = None
+    model_type: str = "laneformer_tp"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # -- derived shapes ------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def heads_per_lane(self) -> int:
+        return self.num_attention_heads // self.num_lanes
+
+    @property
+    def kv_heads_per_lane(self) -> int:
+        return self.kv_heads // self.num_lanes
+
+    @property
+    def ffn_per_lane(self) -> int:
+        return self.intermediate_size // self.num_lanes
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return _int_tuple(self.eos_token_id)
+
+    @property
+    def bos_token_ids(self) -> tuple[int, ...]:
+        return _int_tuple(self.bos_token_id)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Spec: S > 0 slides layers i < S; S < 0 slides the last -S layers; no window, no sliding."""
+        if self.sliding_window is None:
+            return False
+        s = self.sliding_window_n_layers
+        if s >= 0:
+            return layer < s
+        return layer >= self.num_hidden_layers + s
+
+    def lanes_of_rank(self, rank: int, nranks: int) -> range:
+        if nranks <= 0 or self.num_lanes % nranks:
+            raise ConfigError(f"{nranks} ranks do not divide num_lanes={self.num_lanes}; "
+                              f"use a rank count from {divisors(self.num_lanes)}")
+        per = self.num_lanes // nranks
+        return range(rank * per, (rank + 1) * per)
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self) -> "LaneformerConfig":
+        ints = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "num_lanes", "max_position_embeddings")
+        for name in ints:
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if not _is_int(self.broadcast_delay) or self.broadcast_delay < 1:
+            raise ConfigError(f"broadcast_delay must be an integer >= 1, got {self.broadcast_delay!r}")
+        if self.num_key_value_heads is not None and (not _is_int(self.num_key_value_heads)
+                                                     or self.num_key_value_heads <= 0):
+            raise ConfigError(f"num_key_value_heads must be a positive integer or null, "
+                              f"got {self.num_key_value_heads!r}")
+        H, KV, L = self.num_attention_heads, self.kv_heads, self.num_lanes
+        if self.hidden_size % H:
+            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={H}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if H % L:
+            raise ConfigError(f"num_attention_heads={H} is not divisible by num_lanes={L}")
+        if KV % L:
+            raise ConfigError(f"num_key_value_heads={KV} is not divisible by num_lanes={L}")
+        if H % KV:
+            raise ConfigError(f"num_key_value_heads={KV} does not divide num_attention_heads={H}")
+        if self.intermediate_size % L:
+            raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by num_lanes={L}")
+        if self.lm_head_type != "replicate":
+            raise ConfigError(f"lm_head_type={self.lm_head_type!r} is not supported (only 'replicate')")
+        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if not _is_int(self.sliding_window_n_layers):
+            raise ConfigError(f"sliding_window_n_layers must be an integer, got {self.sliding_window_n_layers!r}")
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
+        for name in ("use_comm", "use_early_comm", "early_layers_to_future", "replicated_rmsn_scale",
+                     "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("eos_token_id", "bos_token_id"):
+            try:
+                ids = _int_tuple(getattr(self, name))
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name} must be an integer or a list of integers") from None
+            if any(i < 0 or i >= self.vocab_size for i in ids):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is outside the vocabulary")
+        return self
+
+    # -- io ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> "LaneformerConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("config.json must hold a JSON object")
+        mt = d.get("model_type", "laneformer_tp")
+        if mt not in ("laneformer_tp", "laneformer"):
+            raise ConfigError(f"model_type {mt!r} is not a Laneformer ('laneformer_tp')")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "head_dim" in d and d["head_dim"] not in (None, d.get("hidden_size", 4096) // max(1, d.get("num_attention_heads", 32))):
+            raise ConfigError(f"head_dim={d['head_dim']} disagrees with hidden_size/num_attention_heads")
+        try:
+            cfg = cls(**kw, extra={k: v for k, v in d.items() if k not in known})
+        except TypeError as e:  # pragma: no cover - dataclass rejects nothing we pass
+            raise ConfigError(str(e)) from None
+        return cfg.validate()
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {k: v for k, v in d.items() if v is not None or k == "num_key_value_heads"}
+
+
+def load_config(model_dir: str) -> LaneformerConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model directory {model_dir} does not exist")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} not found")
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
+    return LaneformerConfig.from_dict(d)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_tuple(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if _is_int(v):
+        return (v,)
+    if isinstance(v, (list, tuple)) and all(_is_int(x) for x in v):
+        return tuple(v)
+    raise TypeError("not an int or list of ints")
+
+
+def rope_inv_freq(cfg: LaneformerConfig):
+    """theta^(-2k/hd) for k in [0, hd/2): the angle per position of each interleaved pair."""
+    import numpy as np
+    hd = cfg.head_dim
+    return np.array([cfg.rope_theta ** (-2.0 * k / hd) for k in range(hd // 2)], dtype=np.float64)
+

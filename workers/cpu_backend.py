@@ -1,0 +1,68 @@
+"""The `cpu` backend: the numpy reference engine on this rank's lanes, one KV cache per slot."""
+from __future__ import annotations
+
+from kog_dist.engine import ReferenceEngine
+from kog_dist.sampling import sample
+
+from .backend import Backend, Clock, RunCommand, RunResult, check_command
+
+
+class CpuBackend(Backend):
+    def __init__(self, cfg, weights, embed, lanes=None, exchange=None, max_seq=None, num_slots=4,
+                 agree=None):
+        """`agree(flag) -> bool` makes every rank take rank 0's decision to go on (None: one rank)."""
+        self.cfg = cfg
+        self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.num_slots = num_slots
+        self._new = lambda: ReferenceEngine(cfg, weights, embed, lanes, exchange, self.max_seq)
+        self.slots = [None] * num_slots
+        self.tokens = [[] for _ in range(num_slots)]   # the ids each slot's cache holds
+        self.agree = agree or (lambda flag: flag)
+
+    def cached(self, slot: int) -> int:
+        return len(self.tokens[slot]) if 0 <= slot < self.num_slots else 0
+
+    def free(self, slot: int) -> None:
+        self.slots[slot] = None
+        self.tokens[slot] = []
+
+    def run(self, cmd: RunCommand, on_token=None) -> RunResult:
+        check_command(cmd, self.cached(cmd.slot), self.cfg.vocab_size, self.max_seq, self.num_slots)
+        clock = Clock()
+        eng = self.slots[cmd.slot] or self._new()
+        self.slots[cmd.slot] = eng
+        held = self.tokens[cmd.slot][:cmd.keep]
+        feed = list(cmd.append)
+        if not feed:  # nothing new: re-run the last kept token to get its logits
+            feed, held = held[-1:], held[:-1]
+        eng.truncate(len(held))
+        res = RunResult(prefill_tokens=len(feed))
+        logits = eng.prefill(feed)
+        held += [int(t) for t in feed]
+        res.prefill_ms = clock.ms()
+        stop = set(self.cfg.eos_token_ids) | set(cmd.stop_ids)
+        t_first = None
+        while len(res.token_ids) < cmd.max_new_tokens:
+            tok = sample(logits, cmd.sampling, counter=len(held))
+            res.token_ids.append(tok)
+            now = clock.ms()
+            if t_first is None:
+                t_first = res.first_token_ms = now
+            res.decode_ms = now - t_first
+            go = on_token(tok) is not False if on_token else True
+            if not self.agree(go):
+                res.stop_reason = "cancel"
+                break
+            if tok in stop:
+                res.stop_reason = "eos" if tok in self.cfg.eos_token_ids else "stop"
+                break
+            if len(res.token_ids) == cmd.max_new_tokens or len(held) + 1 > self.max_seq:
+                res.stop_reason = "length"
+                break
+            logits = eng.step(tok)
+            held.append(tok)
+        else:
+            res.stop_reason = "none"
+        self.tokens[cmd.slot] = held
+        res.cached = len(held)
+        return res

@@ -1,0 +1,121 @@
+"""`kog generate`: one request, in this process or through N ranks under mpiexec, printed as text or JSON."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from kog_dist.config import load_config
+from kog_dist.sampling import SamplingParams
+from kog_dist.tokenizer import load_tokenizer
+
+from .backend import RunCommand
+from .factory import make_backend, resolve
+
+
+def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
+    from kog_dist.cli import parse_ids
+    ids = parse_ids(a.prompt_ids) if a.prompt_ids is not None else tok.encode(a.prompt)
+    if not ids:
+        raise ValueError("empty prompt: give at least one token")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    limit = min(a.max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if len(ids) > limit:
+        raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit of {limit}")
+    sp = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed).validate()
+    if a.max_new_tokens < 0:
+        raise ValueError("--max-new-tokens must be >= 0")
+    cmd = RunCommand(slot=0, keep=0, append=ids, max_new_tokens=a.max_new_tokens, sampling=sp,
+                     stop_ids=tuple(parse_ids(a.stop_ids, "--stop-ids")))
+    return ids, cmd
+
+
+def result_json(ids, res, tok, backend: str, ranks: int, model_dir: str) -> dict:
+    return {"token_ids": res.token_ids, "text": tok.decode(res.token_ids), "prompt_tokens": len(ids),
+            "stats": res.stats(), "backend": backend, "ranks": ranks, "model": model_dir}
+
+
+def generate_one_process(a) -> dict:
+    cfg = load_config(a.model)
+    tok = load_tokenizer(a.model, cfg)
+    ids, cmd = build_request(a, cfg, tok)        # refuse bad input before any weight is read
+    kind = resolve(a.backend)
+    backend, cfg = make_backend(kind, a.model, max_seq=a.max_seq, num_slots=1)
+    try:
+        res = backend.run(cmd, _streamer(tok) if not a.json and sys.stdout.isatty() else None)
+    finally:
+        backend.close()
+    return result_json(ids, res, tok, kind, 1, a.model)
+
+
+def _streamer(tok):
+    seen = []
+
+    def on_token(t):
+        before = tok.decode(seen)
+        seen.append(t)
+        sys.stderr.write(tok.decode(seen)[len(before):])
+        sys.stderr.flush()
+        return True
+    return on_token
+
+
+def find_mpiexec() -> str:
+    for name in ("mpiexec", "mpirun"):
+        exe = shutil.which(name)
+        if exe:
+            return exe
+    raise ValueError("--np needs an MPI launcher (mpiexec); `pip install mpich` provides one")
+
+
+def mpiexec_prefix(exe: str, n: int) -> list[str]:
+    """MPICH's mpiexec takes -n N; Open MPI's also needs root and oversubscription flags here."""
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    cmd = [exe, "-n", str(n)]
+    if "Open MPI" in out or "OpenRTE" in out:
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        if n > (os.cpu_count() or 1):
+            cmd.append("--oversubscribe")
+        cmd += ["--bind-to", "none"]
+    return cmd
+
+
+def run_under_mpiexec(a) -> int:
+    """`kog generate --np N`: the same request through N ranks; rank 0 prints the result."""
+    cfg = load_config(a.model)
+    tok = load_tokenizer(a.model, cfg)
+    build_request(a, cfg, tok)                    # bad input fails here, before any rank starts
+    cfg.lanes_of_rank(0, a.nranks)                # and so does a rank count that does not divide L
+    req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
+                                      "top_p", "seed", "stop_ids", "max_seq", "json")}
+    cmd = mpiexec_prefix(find_mpiexec(), a.nranks) + [
+        sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
+        "--bind", "none", "--oneshot", json.dumps(req)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        _kill_group(proc)
+        return 130
+    finally:
+        _kill_group(proc)
+
+
+def _kill_group(proc) -> None:
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            t = time.time() + wait
+            while proc.poll() is None and time.time() < t:
+                time.sleep(0.05)
