@@ -120,3 +120,24 @@ def open_segments(comm, lay: L.SegmentLayout, prefix: str | None = None,
         comm.Barrier()  # every rank has mapped every segment: the names are no longer needed
         own.unlink()
     return segs
+
+
+def create_local_segments(lay: L.SegmentLayout, prefix: str | None = None) -> list[list[Segment]]:
+    """All ranks' segments in this process: result[r] is rank r's own list of mappings (by rank)."""
+    base = f"{prefix or segment_prefix()}-{os.getpid()}-{secrets.token_hex(4)}"
+    paths = [os.path.join(SHM_DIR, f"{base}-r{r}") for r in range(lay.nranks)]
+    owners = []
+    try:
+        for r, path in enumerate(paths):
+            owners.append(Segment.create(path, lay.size))
+            write_header(owners[-1], lay, r)
+        views = []
+        for r in range(lay.nranks):
+            views.append([owners[r] if q == r else Segment.open(paths[q], lay.size)
+                          for q in range(lay.nranks)])
+    finally:
+        for path in paths:
+            unlink_quietly(path)
+    for seg in owners:
+        seg.linked = False
+    return views

@@ -133,6 +133,23 @@ class Communicator:
         return cls(mpi_comm.Get_rank(), mpi_comm.Get_size(), segs, lay, tags, depth, max_floats,
                    timeout, policy or default_policy(nlocal))
 
+    @classmethod
+    def create_local_group(cls, nranks: int, *, max_floats: int = 1 << 12, depth: int = 4,
+                           tags=("attn", "mlp"), timeout: float = 5.0,
+                           policy: BackoffPolicy | None = None) -> list["Communicator"]:
+        """`nranks` communicators in this process, one per rank, without MPI (for tests and tools).
+
+        Drive them from one thread in an order that cannot deadlock (e.g. post on every rank, then
+        collect on every rank). The segment names are unlinked before this returns.
+        """
+        from .bootstrap import create_local_segments
+
+        channels = (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags)
+        lay = L.SegmentLayout(nranks, 4 * max_floats, channels)
+        return [cls(r, nranks, segs, lay, tags, depth, max_floats, timeout,
+                    policy or BackoffPolicy(spin_s=0.0, yield_s=0.0))
+                for r, segs in enumerate(create_local_segments(lay))]
+
     # ---- public ops --------------------------------------------------------------------------
 
     def allreduce(self, x, *, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
@@ -276,7 +293,7 @@ class Communicator:
 
     def _as_payload(self, x, dtype) -> np.ndarray:
         self._check_open()
-        x = np.ascontiguousarray(x, dtype=dtype)
+        x = np.asarray(x, dtype=dtype, order="C")
         if x.dtype not in L.DTYPE_CODES or x.ndim > L.MAX_NDIM:
             raise ValueError(f"kccl payloads are {sorted(map(str, L.DTYPE_CODES))} of ndim <= {L.MAX_NDIM}; got {x.dtype} ndim {x.ndim}")
         if x.nbytes > self._lay.payload_bytes:

@@ -1,0 +1,102 @@
+"""Run Python under a real `mpiexec -n N` from tests, with a timeout and captured output.
+
+    from mpi_helpers import run_mpi
+    res = run_mpi(4, code="from mpi4py import MPI; print(MPI.COMM_WORLD.rank)", timeout=60)
+    assert res.returncode == 0, res.output
+
+The launch runs in its own session (process group); on timeout the whole group (mpiexec, its proxy
+and every rank) gets SIGKILL and `MpiTimeout` carries what the ranks printed. The repository root is
+put on PYTHONPATH, so ranks import the working tree's packages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from kccl.mpirun import find_mpiexec  # noqa: E402
+
+
+class MpiTimeout(AssertionError):
+    """The launch ran past its timeout; `output` holds what it printed."""
+
+    def __init__(self, message: str, output: str):
+        super().__init__(f"{message}\n--- output ---\n{output}")
+        self.output = output
+
+
+@dataclass
+class MpiResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return f"[rc={self.returncode}, {self.seconds:.1f} s]\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+    def marks(self, word: str) -> list[int]:
+        """Sorted ranks that printed "WORD <rank>" (hydra interleaves the ranks' output, so lines
+        cannot be trusted; a rank prints e.g. "OK 3" and the test checks marks("OK") == [0..n))."""
+        return sorted(int(m) for m in re.findall(rf"{re.escape(word)} (\d+)", self.stdout))
+
+
+def mpi_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
+        env.pop(name, None)  # a nested launch must not look like a rank of an outer one
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(n: int, script: str | None = None, *, code: str | None = None, args=(),
+            timeout: float = 60.0, env: dict | None = None, mpiexec_args=(),
+            auto_cleanup: bool = True) -> MpiResult:
+    """Run `python script args` (or `python -c code args`) on n ranks; never hangs past `timeout`.
+
+    auto_cleanup=False passes -disable-auto-cleanup (MPICH hydra): when one rank dies, the others
+    are left running instead of being SIGKILLed, so tests can watch how they notice.
+    """
+    if (script is None) == (code is None):
+        raise ValueError("give exactly one of script, code")
+    cmd = [find_mpiexec(), "-n", str(n)]
+    if not auto_cleanup:
+        cmd.append("-disable-auto-cleanup")
+    cmd += list(mpiexec_args)
+    cmd += [sys.executable] + ([script] if script else ["-c", code]) + [str(a) for a in args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpi_env(env), cwd=REPO_ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _stop(proc)
+        raise MpiTimeout(f"mpiexec -n {n} ran past {timeout} s: {' '.join(cmd[:8])}...",
+                         f"{out}\n--- stderr ---\n{err}") from None
+    return MpiResult(proc.returncode, out, err, time.monotonic() - start)
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """Stop a launch: SIGINT to mpiexec (hydra then kills every rank; they run in sessions of their
+    own, out of reach of killpg), SIGKILL to its process group if it is still there after 3 s."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=3)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.communicate()

@@ -1,0 +1,126 @@
+"""kccl under a real mpiexec: allreduce, broadcast, barrier and post/collect against numpy, N = 1..8.
+
+Each test launches one rank program (the strings below) and checks that every rank printed OK and
+that no /dev/shm entry with the test's private prefix is left. Ranks oversubscribe 2 cores, so
+rounds are few.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from mpi_helpers import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+SHM_DIR = "/dev/shm"
+
+CORRECTNESS = r'''
+import sys, time
+import numpy as np
+from mpi4py import MPI
+from kccl import Communicator, KcclError
+
+D = 3072
+comm = Communicator.create(MPI.COMM_WORLD, max_floats=8 * D, depth=4, tags=("attn", "mlp"))
+r, n = comm.rank, comm.size
+
+def part(seed, rank, shape):
+    return np.random.default_rng([seed, rank]).standard_normal(shape).astype(np.float32)
+
+def ranksum(seed, shape):
+    acc = part(seed, 0, shape).copy()
+    for q in range(1, n):
+        acc += part(seed, q, shape)
+    return acc
+
+# allreduce: several shapes, bitwise equal to a rank-ordered float32 sum
+for k, shape in enumerate([(D,), (1,), (5, D), (8, D), (0,), (2, 3, 4), ()]):
+    got = comm.allreduce(part(k, r, shape))
+    want = ranksum(k, shape)
+    assert got.shape == want.shape and got.dtype == np.float32, (got.shape, want.shape)
+    assert np.array_equal(got, want), ("allreduce", shape)
+out = np.empty(D, np.float32)
+assert comm.allreduce(part(99, r, (D,)), out=out) is out and np.array_equal(out, ranksum(99, (D,)))
+# float64 input is converted to float32
+assert comm.allreduce(np.full(3, 0.5)).dtype == np.float32
+
+# broadcast from every root, several dtypes/shapes; non-roots pass None
+for root in range(n):
+    for k, arr in enumerate([part(root, 7, (3, D)), np.arange(5, dtype=np.int64) * (root + 1),
+                             np.zeros((0, 4), np.float32), np.array(2.5, np.float64)]):
+        got = comm.broadcast(arr if r == root else None, root=root)
+        assert got.dtype == arr.dtype and got.shape == arr.shape and np.array_equal(got, arr)
+    ints = comm.bcast_int64s([root, -1, 2**62] if r == root else None, root=root)
+    assert ints.dtype == np.int64 and ints.tolist() == [root, -1, 2**62]
+
+# barrier: nobody leaves before the last one entered (CLOCK_MONOTONIC is system-wide)
+for k in range(3):
+    time.sleep(0.002 * ((r + k) % n))
+    t_in = time.monotonic()
+    comm.barrier()
+    t_out = time.monotonic()
+    ins = MPI.COMM_WORLD.allgather(t_in)
+    assert t_out >= max(ins), ("barrier", t_out, ins)
+
+# post/collect: delta = 0..3, two tags interleaved, prefill [T, D] then decode [D]
+for delta in range(4):
+    posted = {"attn": [], "mlp": []}
+    for layer in range(12):
+        shape = (3, D) if layer < 2 else (D,)
+        for tag in ("attn", "mlp"):
+            seed = 1000 * delta + 10 * layer + (tag == "mlp")
+            posted[tag].append((comm.post(tag, part(seed, r, shape)), seed, shape))
+            if len(posted[tag]) > delta:
+                h, s, shp = posted[tag].pop(0)
+                assert np.array_equal(comm.collect(h), ranksum(s, shp)), (delta, layer, tag)
+    for tag in ("attn", "mlp"):
+        for h, s, shp in posted[tag]:
+            assert np.array_equal(comm.collect(h), ranksum(s, shp))
+        assert comm.pending(tag) == 0
+
+# misuse is refused with a clear error, not a hang
+def refused(fn, kind=KcclError):
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    raise AssertionError(f"{fn} was not refused")
+
+h1 = comm.post("attn", np.ones(4)); h2 = comm.post("attn", np.ones(4))
+assert "order" in refused(lambda: comm.collect(h2))
+comm.collect(h1); comm.collect(h2)
+hs = [comm.post("mlp", np.ones(2)) for _ in range(4)]
+assert "not collected" in refused(lambda: comm.post("mlp", np.ones(2)))
+for h in hs:
+    comm.collect(h)
+assert "unknown tag" in refused(lambda: comm.post("moe", np.ones(2)))
+refused(lambda: comm.allreduce(np.ones(8 * D + 1)), ValueError)
+comm.barrier()
+comm.close()
+assert "closed" in refused(lambda: comm.barrier())
+print(f"OK {r}")
+'''
+
+
+def leftovers(prefix: str) -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+
+
+@pytest.fixture
+def prefix():
+    name = f"kccltest-{uuid.uuid4().hex[:8]}"
+    yield name
+    for entry in leftovers(name):  # never leak into the machine, even when a test fails
+        os.unlink(os.path.join(SHM_DIR, entry))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_collectives_match_numpy(n, prefix):
+    res = run_mpi(n, code=CORRECTNESS, timeout=120, env={"KCCL_SHM_PREFIX": prefix})
+    assert res.returncode == 0, res.output
+    assert res.marks("OK") == list(range(n)), res.output
+    assert leftovers(prefix) == []
