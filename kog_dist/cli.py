@@ -20,7 +20,7 @@ SUBCOMMANDS = {  # name -> (module, one-line help)
 }
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     pass
 
 
