@@ -81,6 +81,23 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> RankInfo:
     return RankInfo(0, 1, 0, 1, host, "none")
 
 
+def _layout(comm):
+    """(RankInfo, world rank of this node's leader) from MPI; collective over ``comm``."""
+    MPI = _mpi()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+        leader = node.bcast(rank, root=0)
+    finally:
+        node.Free()
+    try:
+        host = MPI.Get_processor_name()
+    except Exception:  # pragma: no cover
+        host = socket.gethostname()
+    return RankInfo(rank, size, local_rank, local_size, host, "mpi"), leader
+
+
 def discover(comm=None) -> RankInfo:
     """Rank, size, local rank, local size and host name of this process.
 
@@ -90,19 +107,7 @@ def discover(comm=None) -> RankInfo:
     MPI = _mpi()
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return from_env()
-    if comm is None:
-        comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    try:
-        local_rank, local_size = node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
-    try:
-        host = MPI.Get_processor_name()
-    except Exception:  # pragma: no cover
-        host = socket.gethostname()
-    return RankInfo(rank, size, local_rank, local_size, host, "mpi")
+    return _layout(MPI.COMM_WORLD if comm is None else comm)[0]
 
 
 def hosts_of(comm=None) -> list[str]:
@@ -115,29 +120,37 @@ def hosts_of(comm=None) -> list[str]:
 
 
 def require_single_node(comm=None) -> RankInfo:
-    """Refuse a job whose ranks span hosts, on every rank, with a clear message.
+    """Refuse a job whose ranks span nodes, on every rank, with a clear message.
 
     Collective: every rank calls it and every rank raises ``MultiNodeError`` (no rank is left
     waiting in a later collective). Returns this rank's ``RankInfo`` when all ranks share a node.
     """
-    info = discover(comm)
     MPI = _mpi()
-    if MPI is None or not MPI.Is_initialized():
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        info = from_env()
+        if info.local_size < info.size and info.source != "none":
+            raise MultiNodeError(_multi_node_message(info.size, None))
         return info
     comm = MPI.COMM_WORLD if comm is None else comm
-    # All ranks on one node <=> the shared-memory split holds everyone.
-    local_sizes = comm.allgather(info.local_size)
-    if all(ls == info.size for ls in local_sizes):
+    info, leader = _layout(comm)
+    # One node holds everyone <=> every rank's node holds everyone, so all ranks branch alike.
+    if info.local_size == info.size:
         return info
-    hosts = comm.allgather(info.hostname)
-    per_host: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        per_host.setdefault(h, []).append(r)
-    where = "; ".join(f"{h}: ranks {_ranges(rs)}" for h, rs in per_host.items())
-    raise MultiNodeError(
-        f"the {info.size} ranks of this job span {len(per_host)} nodes ({where}); kog_dist runs "
-        "every rank of a job on one node for now (KCCL's transports are intra-node): start it "
-        "with all ranks on one host (Slurm: --nodes=1)")
+    leaders = comm.allgather((leader, info.hostname))
+    nodes: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for r, (ld, host) in enumerate(leaders):
+        nodes.setdefault(ld, []).append(r)
+        names.setdefault(ld, host)
+    where = "; ".join(f"{names[ld]}: ranks {_ranges(rs)}" for ld, rs in sorted(nodes.items()))
+    raise MultiNodeError(_multi_node_message(info.size, (len(nodes), where)))
+
+
+def _multi_node_message(size: int, nodes) -> str:
+    what = f"{nodes[0]} nodes ({nodes[1]})" if nodes else "more than one node"
+    return (f"the {size} ranks of this job span {what}; kog_dist runs every rank of a job on one "
+            "node for now (KCCL's transports are intra-node): start all ranks on one host "
+            "(Slurm: --nodes=1)")
 
 
 def _ranges(rs: list[int]) -> str:
@@ -217,7 +230,12 @@ def physical_gpu(local_rank: int, env: Optional[Mapping[str, str]] = None) -> st
 def main(argv=None) -> int:
     """``python -m launch.discovery``: print this rank's layout (a launcher check)."""
     import json
-    info = require_single_node()
+    import sys
+    try:
+        info = require_single_node()
+    except MultiNodeError as e:
+        print(f"kog: {e}", file=sys.stderr, flush=True)
+        return 1
     print(json.dumps({"rank": info.rank, "size": info.size, "local_rank": info.local_rank,
                       "local_size": info.local_size, "hostname": info.hostname,
                       "source": info.source}), flush=True)
