@@ -59,7 +59,7 @@ class KVCache:
 
 class ReferenceEngine:
     def __init__(self, cfg: LaneformerConfig, weights, embed, lanes: range | None = None,
-                 exchange=None, max_seq: int | None = None):
+                 exchange=None, max_seq: int | None = None, prefill_chunk: int | None = None):
         """`weights`: kog_dist.checkpoint.Weights for `lanes`; `embed(ids) -> [T, D]` float32 rows of the
         embedding table; `lm_head` [V, D] is in weights (or the embedding table when tied)."""
         self.cfg = cfg
@@ -72,6 +72,7 @@ class ReferenceEngine:
         self.caches = [KVCache(nl, cfg.kv_heads_per_lane, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(cfg)
         self.pos = 0
+        self.prefill_chunk = prefill_chunk   # tokens per forward pass (bounds the exchange payload)
 
     # -- state -----------------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -82,7 +83,11 @@ class ReferenceEngine:
 
     def prefill(self, ids) -> np.ndarray:
         """Run the prompt (batched) after what the cache holds; logits [V] of its last position."""
-        return self.forward(np.asarray(ids, dtype=np.int64))[-1]
+        ids = np.asarray(ids, dtype=np.int64)
+        c = self.prefill_chunk or len(ids)
+        for s in range(0, len(ids), c):               # causal: chunks after one another are exact
+            logits = self.forward(ids[s:s + c])
+        return logits[-1]
 
     def step(self, token_id: int) -> np.ndarray:
         return self.forward(np.asarray([token_id], dtype=np.int64))[-1]

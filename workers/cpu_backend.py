@@ -9,12 +9,12 @@ from .backend import Backend, Clock, RunCommand, RunResult, check_command
 
 class CpuBackend(Backend):
     def __init__(self, cfg, weights, embed, lanes=None, exchange=None, max_seq=None, num_slots=4,
-                 agree=None):
+                 agree=None, prefill_chunk=None):
         """`agree(flag) -> bool` makes every rank take rank 0's decision to go on (None: one rank)."""
         self.cfg = cfg
         self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.num_slots = num_slots
-        self._new = lambda: ReferenceEngine(cfg, weights, embed, lanes, exchange, self.max_seq)
+        self._new = lambda: ReferenceEngine(cfg, weights, embed, lanes, exchange, self.max_seq, prefill_chunk)
         self.slots = [None] * num_slots
         self.tokens = [[] for _ in range(num_slots)]   # the ids each slot's cache holds
         self.agree = agree or (lambda flag: flag)

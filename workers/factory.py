@@ -21,7 +21,7 @@ def resolve(kind: str) -> str:
 
 
 def make_backend(kind: str, model_dir: str, lanes=None, max_seq=None, exchange=None, agree=None,
-                 num_slots: int = 4, progress=None, comm=None):
+                 num_slots: int = 4, progress=None, comm=None, prefill_chunk=None):
     """Returns (backend, cfg). `lanes` is this rank's range (None: all); exchange/agree carry the lane
     sums and the go-on decision between ranks (None: one rank)."""
     kind = resolve(kind)
@@ -33,6 +33,6 @@ def make_backend(kind: str, model_dir: str, lanes=None, max_seq=None, exchange=N
     from kog_dist.checkpoint import Model
     from .cpu_backend import CpuBackend
     m = Model(model_dir, lanes, progress)
-    b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree)
+    b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree, prefill_chunk)
     b.model = m
     return b, m.cfg

@@ -1,0 +1,150 @@
+"""`kog-worker` (also `python -m workers`, `kog serve`): the rank program.
+
+    mpiexec -n N kog-worker --model DIR --control tcp://127.0.0.1:5555
+
+Each rank learns who it is from MPI, places itself (topology), loads only its lanes, joins the KCCL
+group and builds its backend. Rank 0 then serves the control plane; the others follow its commands.
+With --oneshot REQUEST_JSON the job runs one request, rank 0 prints it, and every rank exits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# Ranks share the cores: one BLAS thread each, unless the user said otherwise.
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kog-worker", description="One rank of a kog_dist job (start N under mpiexec).")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--control", default="tcp://127.0.0.1:5555", help="ZMQ endpoint rank 0 binds")
+    p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--max-seq", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--bind", choices=("none", "cores", "numa"), default="cores",
+                   help="CPU/memory binding from the placement plan (default: cores)")
+    p.add_argument("--slots", type=int, default=4, help="KV caches kept for sessions")
+    p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the active one")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session expires")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --control (needs CURVE keys)")
+    p.add_argument("--curve-server-key", help="server secret key file (zmq.auth format)")
+    p.add_argument("--curve-clients", help="directory of authorised client public keys")
+    p.add_argument("--oneshot", help=argparse.SUPPRESS)
+    return p
+
+
+def log(msg: str) -> None:
+    print(f"[kog-worker] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        return run(a)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one line per rank, never a traceback (KOG_DEBUG=1 shows it)
+        if os.environ.get("KOG_DEBUG"):
+            raise
+        rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "?"
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kog-worker: error: rank {rank}: {msg}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ValueError) else 1
+
+
+def run(a) -> int:
+    from mpi4py import MPI
+
+    from kog_dist.config import load_config
+    from kog_dist.tiny import default_model_dir
+    from launch.discovery import require_single_node
+
+    world = MPI.COMM_WORLD
+    info = require_single_node(world)
+    rank, size = info.rank, info.size
+    model = a.model or default_model_dir() if rank == 0 else None
+    model = a.model or world.bcast(model, root=0)   # bootstrap only: a path string
+    cfg = load_config(model)
+    lanes = cfg.lanes_of_rank(rank, size)            # refuses N not dividing num_lanes, before any weight
+    placed = _place(a, info)
+
+    import kccl
+    from .factory import make_backend, resolve
+    from .rank import KcclExchange, RankGroup, follow, make_agree
+    kind = resolve(a.backend)
+    max_floats = max(cfg.hidden_size, 1 << 16)
+    comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
+                                    depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
+    if rank != 0 and not a.oneshot:
+        # SIGTERM reaches every rank (mpiexec, scancel); rank 0 winds the job down and tells the
+        # followers to exit, so they must outlive it rather than die mid-exchange.
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    try:
+        backend, cfg = make_backend(kind, model, lanes=lanes, max_seq=a.max_seq,
+                                    exchange=KcclExchange(comm) if size > 1 else None,
+                                    agree=make_agree(comm), num_slots=max(1, a.slots),
+                                    progress=None if rank == 0 else False, comm=comm,
+                                    prefill_chunk=max_floats // cfg.hidden_size)
+        if rank != 0 and not a.oneshot:
+            return follow(backend, comm, log)
+        if a.oneshot:
+            return _oneshot(a, model, cfg, backend, comm, kind)
+        log(f"{size} rank(s), backend {kind}, lanes {lanes.start}..{lanes.stop - 1} on rank 0, "
+            f"binding {placed}")
+        return _serve(a, model, cfg, backend, comm)
+    finally:
+        comm.close()
+
+
+def _place(a, info) -> str:
+    if a.bind == "none":
+        return "none"
+    from topology.place import place_rank
+    done = place_rank(info.rank, info.size, info.local_rank, a.bind, local_size=info.local_size)
+    if done.get("error"):
+        return f"skipped ({done['error']})"
+    return f"{a.bind}: cores {done.get('cores')}, numa {done.get('numa')}, gpu {done.get('gpu')}"
+
+
+def _serve(a, model, cfg, backend, comm) -> int:
+    from kog_dist.coordinator import Coordinator
+    from kog_dist.tokenizer import load_tokenizer
+    from .rank import RankGroup
+    group = RankGroup(backend, comm)
+    keys = (a.curve_server_key, a.curve_clients) if a.curve_server_key else None
+    try:
+        coord = Coordinator(a.control, group, load_tokenizer(model, cfg), cfg, allow_remote=a.allow_remote,
+                            curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl)
+        return coord.serve()
+    finally:
+        group.close()
+
+
+def _oneshot(a, model, cfg, backend, comm, kind) -> int:
+    from kog_dist.tokenizer import load_tokenizer
+    from .oneshot import build_request, result_json
+    from .rank import RankGroup, follow
+    req = argparse.Namespace(**json.loads(a.oneshot))
+    req.max_seq = req.max_seq or a.max_seq
+    if comm.rank != 0:
+        return follow(backend, comm, log)
+    tok = load_tokenizer(model, cfg)
+    group = RankGroup(backend, comm)
+    try:
+        ids, cmd = build_request(req, cfg, tok)
+        res = group.run(cmd)
+    finally:
+        group.close()
+    out = result_json(ids, res, tok, kind, comm.size, model)
+    from kog_dist.cli import emit
+    emit(out, req.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
