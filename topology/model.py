@@ -5,6 +5,7 @@ A NUMA node that the OS reports as -1 is stored as None ("unknown"), never as no
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 
@@ -166,8 +167,10 @@ def normalize_bus_id(bus_id: str) -> str:
     s = bus_id.strip().lower()
     if s.count(":") == 1:
         s = "0000:" + s
-    dom, rest = s.split(":", 1)
-    return f"{int(dom, 16):04x}:{rest}"
+    m = re.fullmatch(r"([0-9a-f]{1,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", s)
+    if not m:
+        raise ValueError(f"not a PCI address: {bus_id!r}")
+    return f"{int(m.group(1), 16):04x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
 
 
 def physical_bus_id(bus_id: str) -> str:

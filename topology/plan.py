@@ -147,7 +147,9 @@ def _partition_label(g: Gpu) -> str | None:
 
 def _plan_gpus(m: Machine, nranks: int) -> Plan:
     if nranks > len(m.gpus):
-        raise PlanError(f"{nranks} ranks requested but the machine has {len(m.gpus)} GPUs")
+        n = len(m.gpus)
+        raise PlanError(f"{nranks} ranks requested but the machine has {n} GPU{'s' if n != 1 else ''}"
+                        " (one rank per GPU)")
     pkgs: dict[int, list[Gpu]] = {}
     for g in m.gpus:
         pkgs.setdefault(g.package, []).append(g)

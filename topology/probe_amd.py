@@ -83,6 +83,13 @@ def _split(doc, where: str) -> tuple[list, list, list]:
     raise TopologyError(f"{where}: not amd-smi static or topology output")
 
 
+def _bus(bdf, where: str) -> str:
+    try:
+        return normalize_bus_id(str(bdf))
+    except ValueError:
+        raise TopologyError(f"{where}: bad PCI address {str(bdf)[:40]!r}") from None
+
+
 def _partition(entry: dict, extra: dict) -> tuple[str | None, str | None, int | None]:
     p = dict(entry.get("partition") or {})
     p.update({k: v for k, v in extra.items() if _na(v) is not None})
@@ -105,7 +112,7 @@ def parse_amd_smi(doc, where: str = "amd-smi") -> AmdInfo:
             asic = e.get("asic") or {}
             compute, memory, pid = _partition(e, part_by_gpu.get(e.get("gpu"), {}))
             part = Partition(compute, memory or "?", pid or 0) if compute else None
-            gpus.append(AmdGpu(idx, normalize_bus_id(str(bdf)),
+            gpus.append(AmdGpu(idx, _bus(bdf, where),
                                str(_na(asic.get("market_name")) or "AMD GPU"),
                                _int((e.get("numa") or {}).get("node")),
                                _int(((e.get("vram") or {}).get("size"))),
@@ -115,7 +122,7 @@ def parse_amd_smi(doc, where: str = "amd-smi") -> AmdInfo:
                 idx, bdf = _int(e.get("gpu")), _na(e.get("bdf"))
                 if idx is None or not bdf:
                     raise TopologyError(f"{where}: topology entry without 'gpu' or 'bdf'")
-                gpus.append(AmdGpu(idx, normalize_bus_id(str(bdf)), "AMD GPU"))
+                gpus.append(AmdGpu(idx, _bus(bdf, where), "AMD GPU"))
         links: dict[tuple[int, int], Link] = {}
         for e in topo:
             a = _int(e.get("gpu"))

@@ -113,5 +113,7 @@ def probe_nvml(nv=None) -> NvmlInfo | None:
                     links[key] = Link(_LEVELS[level], None, "nvml")
         driver = _text(_try(nv.nvmlSystemGetDriverVersion, default=""))
         return NvmlInfo(gpus, links, driver)
+    except Exception:  # a driver that fails midway: the source is optional
+        return None
     finally:
         _try(nv.nvmlShutdown)
