@@ -54,6 +54,8 @@ def check_endpoint(endpoint: str, allow_remote: bool = False, curve_keys: CurveK
         raise ControlError(f"refusing to bind {endpoint} with --allow-remote but no CURVE keys; "
                            "give the server secret key file and the authorised clients' key directory")
     if curve_keys is not None:
+        if not curve_keys.server_secret_file or not curve_keys.clients_dir:
+            raise ControlError("CURVE needs both the server secret key file and the clients key directory")
         if not os.path.isfile(curve_keys.server_secret_file):
             raise ControlError(f"CURVE server secret key file not found: {curve_keys.server_secret_file}")
         if not os.path.isdir(curve_keys.clients_dir):
@@ -222,10 +224,10 @@ class Coordinator:
         if host and ":" in host:
             s.setsockopt(zmq.IPV6, 1)
         if self.curve_keys is not None:
-            import zmq.auth
+            from zmq.auth import load_certificate
             from zmq.auth.thread import ThreadAuthenticator
             try:
-                public, secret = zmq.auth.load_certificate(self.curve_keys.server_secret_file)
+                public, secret = load_certificate(self.curve_keys.server_secret_file)
             except Exception as e:
                 raise ControlError(f"cannot read CURVE server key {self.curve_keys.server_secret_file}: {e}") from None
             if not secret:
@@ -290,7 +292,8 @@ class Coordinator:
             self.wake_rx.close(0)
             if self.auth is not None:
                 self.auth.stop()
-            self.ctx.term() if self.exit_code != 1 else None
+            if not thread.is_alive():
+                self.ctx.term()
         self.log(f"stopped (exit {self.exit_code or 0})")
         return self.exit_code or 0
 
@@ -350,6 +353,8 @@ class Coordinator:
                 try:
                     res = self.executor.run(cmd, on_token)
                     self.done_events.append(("done", req, res))
+                except ValueError as e:      # the backend refused the command before running it
+                    self.done_events.append(("rejected", req, e))
                 except BaseException as e:   # a rank died, or the backend broke: fatal
                     self.done_events.append(("failed", req, e))
                     kick()
@@ -517,7 +522,7 @@ class Coordinator:
             raise ProtocolError("context_overflow", f"the prompt of {len(new_ids)} tokens does not fit max_seq {self.max_seq}")
         if session is None and not new_ids and not (text_prompt and req.get("add_bos", True) and self.bos is not None):
             raise ProtocolError("bad_request", "the prompt is empty")
-        busy = self.active is not None or self.queue
+        busy = self.active is not None or bool(self.queue)
         if busy and len(self.queue) >= self.queue_limit:
             self.counts["busy"] += 1
             raise ProtocolError("busy", f"a decode is running and {len(self.queue)} requests are queued (limit {self.queue_limit})")
@@ -618,6 +623,11 @@ class Coordinator:
             kind, r, x = self.done_events.popleft()
             if kind == "failed":
                 return self._backend_failed(r, x)
+            if kind == "rejected":
+                self.log(f"the backend refused request {r.rid}: {x}")
+                self.active, self.slots[r.slot].tokens = None, []
+                self._fail(r, "bad_request", f"refused by the backend: {x}"[:300])
+                continue
             self._finish(r, x)
         self._dispatch()
 
