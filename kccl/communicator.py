@@ -305,13 +305,8 @@ class Communicator:
         epoch = ch.send_epoch + 1
         idx = epoch % ch.depth
         me = self.rank
-        need = epoch - ch.depth
-        ackw = self._ack_word[ch.id][me]
+        self._wait_acks(ch, dests, epoch - ch.depth, timeout)
         words = self._words
-        late = [d for d in dests if d != me and words[d][ackw] < need]
-        if late:
-            self._wait(lambda: all(words[d][ackw] >= need for d in late), timeout,
-                       lambda: f"ranks {late} to consume {ch.name!r} epoch {need} of rank {me}")
         w = self._slot_word[ch.id][me][idx]
         if x is None:
             nbytes, code, shape = 0, 0, ()
@@ -330,6 +325,16 @@ class Communicator:
             wd[w + L.S_EPOCH] = epoch  # publish: the last store
         ch.send_epoch = epoch
         return epoch
+
+    def _wait_acks(self, ch: _Channel, dests, need: int, timeout) -> None:
+        """Wait until every peer in `dests` consumed epoch `need` from this rank on `ch`."""
+        me = self.rank
+        ackw = self._ack_word[ch.id][me]
+        words = self._words
+        late = [d for d in dests if d != me and words[d][ackw] < need]
+        if late:
+            self._wait(lambda: all(words[d][ackw] >= need for d in late), timeout,
+                       lambda: f"ranks {late} to consume {ch.name!r} epoch {need} of rank {me}")
 
     def _recv_epochs(self, ch: _Channel, srcs) -> dict:
         epochs = {}
