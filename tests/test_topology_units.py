@@ -160,3 +160,10 @@ def test_amd_smi_numa_used_when_sysfs_has_no_gpu():
               amd_smi_json=os.path.join(FIX, "mi300x_spx_nps1", "amd-smi.json"))
     assert len(m.gpus) == 8 and [g.numa for g in m.gpus] == [0] * 4 + [1] * 4
     assert m.link(0, 1).label == "XGMI"
+
+
+def test_cpu_plan_on_a_gpu_machine():
+    m = probe(sysfs_root=os.path.join(FIX, "vm_1gpu"))
+    p = plan(m, 4, use_gpus=False)
+    assert [e.gpu for e in p.entries] == [None] * 4
+    assert [e.cores for e in p.entries] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]

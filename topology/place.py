@@ -38,10 +38,12 @@ def _slurm_local_size() -> int | None:
 
 
 def place_rank(rank: int, nranks: int, local_rank: int | None = None, mode: str = "cores",
-               local_size: int | None = None, sysfs_root: str | None = None) -> dict:
+               local_size: int | None = None, sysfs_root: str | None = None,
+               use_gpus: bool = True) -> dict:
     """Probe, plan the ranks of this node and bind this rank. Returns what was done:
     {"rank", "local_rank", "local_size", "mode", "gpu", "bus_id", "device", "numa", "cores",
-     "partition", "mempolicy", "error"}. Binding problems never raise: they go into "error"."""
+     "partition", "mempolicy", "error"}. Binding problems never raise: they go into "error".
+    use_gpus=False: a CPU-backend rank, planned on cores only."""
     if local_rank is None:
         local_rank = _env_int(_LOCAL_RANK)
     if local_rank is None:
@@ -53,7 +55,7 @@ def place_rank(rank: int, nranks: int, local_rank: int | None = None, mode: str 
            "error": None}
     try:
         m = probe(sysfs_root=sysfs_root)
-        p = plan(m, local_size)
+        p = plan(m, local_size, use_gpus=use_gpus)
         done = bind(p.entries[local_rank], mode, m)
         done.pop("rank", None)
         out.update(done)

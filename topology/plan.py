@@ -204,10 +204,12 @@ def _plan_cpus(m: Machine, nranks: int) -> Plan:
                          for r in range(nranks)], notes=notes)
 
 
-def plan(machine: Machine, nranks: int | None = None) -> Plan:
-    """Place `nranks` ranks (default: one per GPU, or one per NUMA node without GPUs)."""
+def plan(machine: Machine, nranks: int | None = None, use_gpus: bool = True) -> Plan:
+    """Place `nranks` ranks (default: one per GPU, or one per NUMA node without GPUs).
+    use_gpus=False plans CPU cores only (ranks of the CPU backend on a GPU machine)."""
+    gpus = machine.gpus if use_gpus else []
     if nranks is None:
-        nranks = len(machine.gpus) or len(machine.numa_nodes) or 1
+        nranks = len(gpus) or len(machine.numa_nodes) or 1
     if nranks < 1:
         raise PlanError(f"ranks must be at least 1, got {nranks}")
-    return _plan_gpus(machine, nranks) if machine.gpus else _plan_cpus(machine, nranks)
+    return _plan_gpus(machine, nranks) if gpus else _plan_cpus(machine, nranks)
