@@ -1,0 +1,145 @@
+"""The project's Slurm batch scripts on a real one-node Slurm cluster (launch/slurm/ci-cluster.sh
+start brings one up; CI does it in .ci/run). Skipped with the reason when no cluster answers."""
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from test_launch_helpers import (REPO, client_generate, env, kill_all, procs_with, ranks_with,
+                                 reference_ids, tiny_model, wait_for)
+
+SERVE = os.path.join(REPO, "launch", "slurm", "serve.sbatch")
+BENCH = os.path.join(REPO, "launch", "slurm", "bench.sbatch")
+
+
+def _cluster_problem():
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "Slurm is not installed (sinfo/sbatch not on PATH): run launch/slurm/ci-cluster.sh start"
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%t"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out: slurmctld is not answering"
+    if p.returncode != 0:
+        return f"no Slurm cluster answers (sinfo: {p.stderr.strip()[:200]}): run launch/slurm/ci-cluster.sh start"
+    states = {s.strip().rstrip("*~#") for s in p.stdout.split()}
+    if not states & {"idle", "mix"}:
+        return f"no idle Slurm node (sinfo states: {sorted(states) or 'none'})"
+    return None
+
+
+_PROBLEM = _cluster_problem()
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))]
+
+
+def sbatch(args, cwd, script_args=(), **extra):
+    p = subprocess.run(["sbatch", "--parsable", "--chdir", str(cwd)] + list(args)
+                       + list(script_args), cwd=str(cwd), env=env(**extra),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=30)
+    assert p.returncode == 0, f"sbatch failed: {p.stderr}"
+    return p.stdout.strip().split(";")[0]
+
+
+def job_state(job):
+    p = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True, timeout=15)
+    return p.stdout.strip() if p.returncode == 0 else ""
+
+
+def job_info(job):
+    p = subprocess.run(["scontrol", "-o", "show", "job", job], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True, timeout=15)
+    return dict(kv.split("=", 1) for kv in p.stdout.split() if "=" in kv)
+
+
+def wait_gone(job, timeout):
+    wait_for(lambda: job_state(job) in ("", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"),
+             timeout, f"job {job} to end", poll=0.5)
+
+
+def cancel(job):
+    subprocess.run(["scancel", job], timeout=15, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m = tiny_model(tmp_path_factory.mktemp("slurm") / "tiny4", lanes=4)
+    return m, reference_ids(m)
+
+
+def test_serve_sbatch_decodes_and_scancel_stops_every_rank(tmp_path, model):
+    model_dir, ref = model
+    ep = tmp_path / "endpoint"
+    job = sbatch(["--ntasks=2", "--overcommit", "--time=10", f"--output={tmp_path}/serve-%j.out"],
+                 tmp_path, [SERVE, "--model", model_dir, "--backend", "cpu", "--max-seq", "256",
+                            "--endpoint-file", str(ep)])
+    out = tmp_path / f"serve-{job}.out"
+    try:
+        def up():
+            if ep.exists():
+                return True
+            if job_state(job) in ("", "COMPLETED", "FAILED", "CANCELLED"):
+                raise AssertionError(f"job {job} ended before serving:\n"
+                                     + (out.read_text() if out.exists() else "(no output)"))
+        wait_for(up, 150, f"job {job}'s control endpoint", poll=0.5)
+        endpoint = ep.read_text().strip()
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        ranks = ranks_with(model_dir)
+        assert sorted(ranks) == [0, 1], ranks
+        # ranks started by srun --mpi=pmi2, and their layout came from MPI
+        assert client_generate(endpoint) == ref
+
+        cancel(job)
+        wait_gone(job, 60)
+        text = out.read_text()
+        assert "kog-serve: all 2 ranks exited 0 after SIGTERM" in text, text
+        wait_for(lambda: not procs_with(model_dir), 15, "every rank gone")
+        assert not ep.exists(), "endpoint file left behind"
+        info = job_info(job)
+        if info:   # still known to slurmctld (MinJobAge): the batch script's own status
+            assert info.get("ExitCode", "0:0").split(":")[0] == "0", info
+    finally:
+        cancel(job)
+        kill_all(model_dir)
+
+
+def test_serve_sbatch_ranks_not_dividing_lanes_fail_fast(tmp_path, model):
+    model_dir, _ = model
+    t0 = time.monotonic()
+    job = sbatch(["--ntasks=3", "--overcommit", "--time=5", f"--output={tmp_path}/bad-%j.out"],
+                 tmp_path, [SERVE, "--model", model_dir, "--backend", "cpu"])
+    try:
+        wait_gone(job, 90)
+        assert time.monotonic() - t0 < 90
+        text = (tmp_path / f"bad-{job}.out").read_text()
+        assert "3 ranks do not divide num_lanes=4" in text, text
+        assert "kog-serve: ranks exited with status" in text, text
+        info = job_info(job)
+        if info:
+            assert info.get("JobState") == "FAILED", info
+    finally:
+        cancel(job)
+        kill_all(model_dir)
+
+
+def test_bench_sbatch_leaves_table_and_json(tmp_path, model):
+    model_dir, _ = model
+    job = sbatch(["--ntasks=1", "--time=10", f"--output={tmp_path}/bench-%j.out"], tmp_path,
+                 [BENCH, "--model", model_dir, "--backend", "cpu"])
+    try:
+        wait_gone(job, 170)
+        text = (tmp_path / f"bench-{job}.out").read_text()
+        outdir = tmp_path / f"kog-bench-{job}"
+        assert (outdir / "bench.txt").exists(), text
+        table = (outdir / "bench.txt").read_text()
+        assert "tok/s" in table or "tokens/s" in table, table
+        doc = json.loads((outdir / "bench.json").read_text())
+        assert doc, text
+        assert "kog-bench: done" in text, text
+    finally:
+        cancel(job)
+        kill_all(model_dir)
