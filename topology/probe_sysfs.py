@@ -108,7 +108,7 @@ def _cpulist(path: str) -> list[int] | None:
     return None if text is None else parse_cpulist(text, path)
 
 
-def _numa_nodes(root: str, notes: list[str]) -> list[NumaNode]:
+def _numa_nodes(root: str) -> list[NumaNode]:
     base = os.path.join(root, "devices/system/node")
     nodes = []
     names = os.listdir(base) if os.path.isdir(base) else []
@@ -203,7 +203,7 @@ def read_sysfs(root: str = "/sys", strict: bool = True) -> SysfsInfo:
     has_node = os.path.isdir(os.path.join(root, "devices/system/node"))
     if not has_pci and not has_node:
         raise TopologyError(f"sysfs root {root}: neither bus/pci/devices nor devices/system/node found")
-    nodes = _numa_nodes(root, notes)
+    nodes = _numa_nodes(root)
     online = _cpulist(os.path.join(root, "devices/system/cpu/online"))
     cpus = online if online is not None else sorted({c for n in nodes for c in n.cpus})
     if not cpus:

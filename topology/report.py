@@ -85,6 +85,8 @@ def render(m: Machine, p: Plan | None) -> str:
                  e.partition or "-", _numa(e.numa), format_cpulist(e.cores) or "-",
                  e.link_next or "-"] for e in p.entries]
         out += _table(["Rank", "GPU", "Bus-Id", "Partition", "NUMA", "Cores", "Next"], rows, {0, 1, 4})
+        if p.nranks > 1 and p.entries[0].gpu is not None:
+            out.append("Next: the link from each rank to the next one (ring order, last to first).")
         out += [f"note: {n}" for n in p.notes]
     out += [f"note: {n}" for n in m.notes]
     return "\n".join(out) + "\n"
