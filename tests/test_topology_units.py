@@ -167,3 +167,16 @@ def test_cpu_plan_on_a_gpu_machine():
     p = plan(m, 4, use_gpus=False)
     assert [e.gpu for e in p.entries] == [None] * 4
     assert [e.cores for e in p.entries] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_tree_with_pci_devices_only(tmp_path):
+    """No node or CPU files: the CPUs come from the devices' local_cpulist, one node assumed."""
+    for i in (1, 2):
+        d = tmp_path / "bus/pci/devices" / f"0000:0{i}:00.0"
+        d.mkdir(parents=True)
+        for name, text in (("vendor", "0x10de"), ("class", "0x030200"), ("numa_node", "-1"),
+                           ("local_cpulist", "0-7")):
+            (d / name).write_text(text + "\n")
+    m = probe(sysfs_root=str(tmp_path))
+    assert m.cpus == list(range(8)) and [g.numa for g in m.gpus] == [None, None]
+    assert [e.cores for e in plan(m).entries] == [[0, 1, 2, 3], [4, 5, 6, 7]]

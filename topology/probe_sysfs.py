@@ -204,12 +204,16 @@ def read_sysfs(root: str = "/sys", strict: bool = True) -> SysfsInfo:
     if not has_pci and not has_node:
         raise TopologyError(f"sysfs root {root}: neither bus/pci/devices nor devices/system/node found")
     nodes = _numa_nodes(root)
+    devices = _devices(root, strict)
     online = _cpulist(os.path.join(root, "devices/system/cpu/online"))
     cpus = online if online is not None else sorted({c for n in nodes for c in n.cpus})
+    if not cpus:
+        cpus = sorted({c for d in devices for c in d.local_cpus})
+        if cpus:
+            notes.append("no CPU list in sysfs; CPUs taken from the devices' local_cpulist")
     if not cpus:
         raise TopologyError(f"sysfs root {root}: no CPUs found (devices/system/node/node*/cpulist)")
     if not nodes:
         notes.append("no NUMA nodes in sysfs; all CPUs taken as node 0")
         nodes = [NumaNode(0, list(cpus))]
-    return SysfsInfo(root, cpus, nodes, _devices(root, strict), _siblings(root),
-                     _extra_links(root), notes)
+    return SysfsInfo(root, cpus, nodes, devices, _siblings(root), _extra_links(root), notes)
