@@ -1,0 +1,8 @@
+"""kog_dist: latency-first batch-1 decoding of Laneformer models. `kog_dist.Client` talks to a server."""
+
+
+def __getattr__(name):
+    if name == "Client":
+        from .client import Client
+        return Client
+    raise AttributeError(f"module 'kog_dist' has no attribute {name!r}")
