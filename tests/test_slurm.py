@@ -2,6 +2,7 @@
 start brings one up; CI does it in .ci/run). Skipped with the reason when no cluster answers."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_PROBLEM is not None, reason
 def sbatch(args, cwd, script_args=(), **extra):
     p = subprocess.run(["sbatch", "--parsable", "--chdir", str(cwd)] + list(args)
                        + list(script_args), cwd=str(cwd), env=env(**extra),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=30)
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     assert p.returncode == 0, f"sbatch failed: {p.stderr}"
     return p.stdout.strip().split(";")[0]
 
@@ -143,3 +144,17 @@ def test_bench_sbatch_leaves_table_and_json(tmp_path, model):
     finally:
         cancel(job)
         kill_all(model_dir)
+
+
+def test_kog_launch_inside_an_allocation_uses_srun_pmi2(tmp_path):
+    # A batch job that runs `kog launch` itself: srun --mpi=pmi2 starts mpi4py ranks of the
+    # mpich wheel, and their layout comes from MPI.
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nexec python3 -m launch.cli --np 3 -- python3 -m launch.discovery\n")
+    job = sbatch(["--ntasks=3", "--overcommit", "--time=5", "--wait",
+                  f"--output={tmp_path}/launch-%j.out"], tmp_path, [str(script)])
+    text = (tmp_path / f"launch-{job}.out").read_text()
+    assert "kog launch (srun): " in text and "--mpi=pmi2 -n 3" in text, text
+    rows = sorted((json.loads(m) for m in re.findall(r"\{[^{}]*\}", text)), key=lambda r: r["rank"])
+    assert [(r["rank"], r["size"], r["local_rank"], r["local_size"], r["source"]) for r in rows] == \
+        [(i, 3, i, 3, "mpi") for i in range(3)], text
