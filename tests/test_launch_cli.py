@@ -45,7 +45,12 @@ def fake_bin(tmp_path, **scripts):
 def clean_env(path, **extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "KOG_LAUNCHER", "KOG_SRUN_MPI"))}
-    env["PATH"] = path + os.pathsep + "/bin"   # /bin for the fakes' /bin/sh and cat only
+    # Only the fakes and `cat` (their helper) on PATH: a real launcher of the machine never shows.
+    tools = os.path.join(os.path.dirname(path), "tools")
+    os.makedirs(tools, exist_ok=True)
+    if not os.path.exists(os.path.join(tools, "cat")):
+        os.symlink(shutil.which("cat") or "/bin/cat", os.path.join(tools, "cat"))
+    env["PATH"] = path + os.pathsep + tools
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
