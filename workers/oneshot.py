@@ -99,14 +99,29 @@ def run_under_mpiexec(a) -> int:
         sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
         "--bind", "none", "--oneshot", json.dumps(req)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc), sys.exit(143)))
     try:
-        return proc.wait()
+        rc = proc.wait()
+        if rc != 0:
+            how = f"killed by {signal.Signals(rc).name}" if 0 < rc < 32 and rc not in (1, 2) else f"exit {rc}"
+            print(f"kog: error: the {a.nranks}-rank job failed ({how}): a rank died or was killed, "
+                  f"and mpiexec ended the others", file=sys.stderr)
+        return rc
     except KeyboardInterrupt:
-        _kill_group(proc)
         return 130
     finally:
         _kill_group(proc)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: mpiexec gets SIGTERM if `kog generate` itself is killed."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the explicit kill paths still apply
+        pass
 
 
 def _kill_group(proc) -> None:
