@@ -90,3 +90,30 @@ def test_mpirun_serve_refuses_ranks_not_dividing_lanes(tmp_path, model):
         assert "3 ranks do not divide num_lanes=4" in p.stdout, p.stdout
     finally:
         kill_all(model_dir)
+
+
+def test_mpirun_serve_with_open_mpi_builds_its_command(tmp_path):
+    # No Open MPI here: a fake `mpirun` that answers --version as Open MPI and echoes its arguments
+    # shows the command the script runs with it.
+    d = tmp_path / "bin"
+    d.mkdir()
+    fake = d / "mpirun"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 4.1.5'; "
+                    "exit 0; fi\necho \"FAKE-MPIRUN $*\"\n")
+    fake.chmod(0o755)
+    e = env(KOG_LAUNCHER="openmpi", KOG_PORT="45678")
+    e["PATH"] = f"{d}{os.pathsep}{e['PATH']}"
+    p = subprocess.run(["bash", SCRIPT, "-n", "2", "--model", "/m", "--backend", "cpu"],
+                       cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, stdin=subprocess.DEVNULL, timeout=90)
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("FAKE-MPIRUN"))
+    argv = line.split()[1:]
+    assert argv[:2] == ["-np", "2"]
+    assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
+    assert ("--oversubscribe" in argv) == (2 > len(os.sched_getaffinity(0)))
+    i = argv.index("--bind-to")
+    assert argv[i + 1] == "none"
+    rest = argv[i + 2:]
+    assert rest[-8:] == ["--model", "/m", "--control", "tcp://127.0.0.1:45678", "--bind", "cores",
+                         "--backend", "cpu"], rest
