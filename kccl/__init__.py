@@ -6,8 +6,9 @@
 
 from .communicator import Communicator, Handle
 from .errors import KcclError, KcclTimeout, PeerLost
+from .rendezvous import FileRendezvous
 from .shm import close_all, install_signal_cleanup
 from .wait import BackoffPolicy
 
 __all__ = ["Communicator", "Handle", "KcclError", "KcclTimeout", "PeerLost", "BackoffPolicy",
-           "install_signal_cleanup", "close_all"]
+           "install_signal_cleanup", "close_all", "FileRendezvous"]

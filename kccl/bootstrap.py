@@ -1,6 +1,6 @@
-"""Bootstrap of the shm transport over MPI: name the segments, create, map every peer's, unlink.
+"""Bootstrap of the shm transport: name the segments, create, map every peer's, unlink.
 
-MPI is used here only (a bcast of one name string, Allreduce of ok flags, Barriers). The steps:
+Ranks meet through a rendezvous (rendezvous.py: MPI normally; one string, ok votes, barriers). Steps:
 
 1. rank 0 picks a base name "<prefix>-<pid>-<random>" and broadcasts it;
 2. every rank creates "<base>-r<rank>" (O_EXCL, fallocated), writes its header (pid, start time,
@@ -16,35 +16,17 @@ from __future__ import annotations
 import os
 import secrets
 
-import numpy as np
-
 from . import layout as L
 from .errors import KcclError
 from .shm import SHM_DIR, Segment, process_starttime, segment_prefix, unlink_quietly
 
 
-def _agree(comm, ok: bool) -> bool:
-    """True on every rank iff `ok` on every rank (uppercase Allreduce: no pickle)."""
-    from mpi4py import MPI
-
-    flag = np.array([1 if ok else 0], dtype=np.int64)
-    result = np.zeros(1, dtype=np.int64)
-    comm.Allreduce(flag, result, op=MPI.MIN)
-    return bool(result[0])
-
-
-def check_one_host(comm) -> int:
-    """Raise unless every rank of `comm` shares this host's memory; return the number of local ranks."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        nlocal = local.Get_size()
-    finally:
-        local.Free()
-    if not _agree(comm, nlocal == comm.Get_size()):
+def check_one_host(rdv) -> int:
+    """Raise unless every rank shares this host's memory; return the number of local ranks."""
+    nlocal = rdv.local_ranks()
+    if not rdv.agree(nlocal == rdv.size):
         raise KcclError("the shm transport needs every rank on one host (shared memory); "
-                        f"this rank sees {nlocal} of {comm.Get_size()} ranks locally")
+                        f"this rank sees {nlocal} of {rdv.size} ranks locally")
     return nlocal
 
 
@@ -74,14 +56,14 @@ def check_header(seg: Segment, lay: L.SegmentLayout, rank: int) -> None:
         raise KcclError(f"{seg.path}: " + "; ".join(problems))
 
 
-def open_segments(comm, lay: L.SegmentLayout, prefix: str | None = None,
+def open_segments(rdv, lay: L.SegmentLayout, prefix: str | None = None,
                   unlink_after_attach: bool = True) -> list[Segment]:
     """Create this rank's segment and map every peer's; returns segments indexed by rank."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank, size = rdv.rank, rdv.size
     base = None
     if rank == 0:
         base = f"{prefix or segment_prefix()}-{os.getpid()}-{secrets.token_hex(4)}"
-    base = comm.bcast(base, root=0)  # bootstrap only: one string
+    base = rdv.share_str(base)
     paths = [os.path.join(SHM_DIR, f"{base}-r{r}") for r in range(size)]
 
     own, error = None, None
@@ -90,7 +72,7 @@ def open_segments(comm, lay: L.SegmentLayout, prefix: str | None = None,
         write_header(own, lay, rank)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = exc
-    if not _agree(comm, error is None):
+    if not rdv.agree(error is None):
         if own is not None:
             own.unlink()
             own.close()
@@ -106,7 +88,7 @@ def open_segments(comm, lay: L.SegmentLayout, prefix: str | None = None,
                 check_header(segs[r], lay, r)
     except Exception as exc:  # noqa: BLE001
         error = exc
-    if not _agree(comm, error is None):
+    if not rdv.agree(error is None):
         for seg in segs:
             if seg is not None:
                 seg.close()
@@ -117,7 +99,7 @@ def open_segments(comm, lay: L.SegmentLayout, prefix: str | None = None,
         raise KcclError(f"rank {rank}: mapping peer segments failed"
                         + (f": {error}" if error else " on another rank")) from error
     if unlink_after_attach:
-        comm.Barrier()  # every rank has mapped every segment: the names are no longer needed
+        rdv.barrier()  # every rank has mapped every segment: the names are no longer needed
         own.unlink()
     return segs
 

@@ -21,8 +21,9 @@ import math
 import numpy as np
 
 from . import layout as L
-from .errors import KcclError, PeerLost
-from .shm import process_alive, register, unlink_quietly, unregister
+from .errors import KcclError
+from .liveness import PeerWatch
+from .shm import register, unregister
 from .wait import BackoffPolicy, default_policy, wait_until
 
 COLL = 0  # channel id of the blocking collectives
@@ -70,10 +71,8 @@ class Communicator:
         self._segs = segs
         self._lay = lay
         self._words = [s.words for s in segs]
-        self._lost: PeerLost | None = None
         self._peers = [r for r in range(size) if r != rank]
-        self._pids = [int(w[L.H_PID]) for w in self._words]
-        self._starts = [int(w[L.H_STARTTIME]) for w in self._words]
+        self._watch = PeerWatch(rank, self._words, [seg.path for seg in segs])
         self._channels = [_Channel(c, name, d, size) for c, (name, d) in enumerate(lay.channels)]
         self._by_tag = {ch.name: ch for ch in self._channels[1:]}
         nch = len(lay.channels)
@@ -105,7 +104,8 @@ class Communicator:
                depth: int = 4, tags=("attn", "mlp"), timeout: float = 30.0,
                unlink_after_attach: bool = True, prefix: str | None = None,
                policy: BackoffPolicy | None = None) -> "Communicator":
-        """Collective over `mpi_comm` (default MPI.COMM_WORLD): every rank calls it with equal args.
+        """Collective over `mpi_comm` (default MPI.COMM_WORLD; or a kccl.FileRendezvous for ranks
+        started without MPI): every rank calls it with equal args.
 
         max_floats: the largest float32 payload of any one call. depth: ring slots per DTP tag
         (>= delta+1 for collects delta layers after the post). tags: the DTP tags post() accepts.
@@ -121,17 +121,16 @@ class Communicator:
         tags = tuple(tags)
         if len(set(tags)) != len(tags) or any(t.startswith("_") for t in tags):
             raise ValueError(f"tags must be distinct and not start with '_': {tags}")
-        if mpi_comm is None:
-            from mpi4py import MPI
-            mpi_comm = MPI.COMM_WORLD
         from .bootstrap import check_one_host, open_segments
+        from .rendezvous import as_rendezvous
 
-        nlocal = check_one_host(mpi_comm)
+        rdv = as_rendezvous(mpi_comm)
+        nlocal = check_one_host(rdv)
         channels = (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags)
-        lay = L.SegmentLayout(mpi_comm.Get_size(), 4 * max_floats, channels)
-        segs = open_segments(mpi_comm, lay, prefix, unlink_after_attach)
-        return cls(mpi_comm.Get_rank(), mpi_comm.Get_size(), segs, lay, tags, depth, max_floats,
-                   timeout, policy or default_policy(nlocal))
+        lay = L.SegmentLayout(rdv.size, 4 * max_floats, channels)
+        segs = open_segments(rdv, lay, prefix, unlink_after_attach)
+        return cls(rdv.rank, rdv.size, segs, lay, tags, depth, max_floats, timeout,
+                   policy or default_policy(nlocal))
 
     @classmethod
     def create_local_group(cls, nranks: int, *, max_floats: int = 1 << 12, depth: int = 4,
@@ -261,7 +260,8 @@ class Communicator:
         unregister(self)
         own = self._segs[self.rank]
         try:
-            own.words[L.H_STATE] = L.STATE_CLOSED
+            if own.words[L.H_STATE] == L.STATE_READY:  # an ABORTED rank stays ABORTED
+                own.words[L.H_STATE] = L.STATE_CLOSED
         except (ValueError, TypeError):
             pass
         if own.linked:
@@ -279,8 +279,8 @@ class Communicator:
     # ---- internals ---------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._lost is not None:
-            raise self._lost
+        if self._watch.lost is not None:
+            raise self._watch.lost
         if self.closed:
             raise KcclError("communicator is closed")
 
@@ -368,22 +368,7 @@ class Communicator:
         policy = self.policy.for_idle() if idle else self.policy
         if timeout is None:
             timeout = math.inf if idle else self.timeout
-        wait_until(ready, policy, timeout, self._check_peers, describe)
-
-    def _check_peers(self) -> None:
-        """Raise PeerLost if a peer process is gone or closed its communicator."""
-        for r in self._peers:
-            state = self._words[r][L.H_STATE]
-            if state == L.STATE_CLOSED:
-                reason = "closed its communicator"
-            elif not process_alive(self._pids[r], self._starts[r]):
-                reason = "exited"
-                unlink_quietly(self._segs[r].path)  # survivor cleanup if the name still exists
-            else:
-                continue
-            self._lost = PeerLost(f"rank {r} (pid {self._pids[r]}) {reason} "
-                                  f"(noticed by rank {self.rank})", rank=r, pid=self._pids[r])
-            raise self._lost
+        wait_until(ready, policy, timeout, self._watch.check, describe)
 
     def _read_meta(self, words, w):
         code = words[w + L.S_DTYPE]

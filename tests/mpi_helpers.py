@@ -100,3 +100,44 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
         except ProcessLookupError:
             pass
         return proc.communicate()
+
+
+@dataclass
+class PlainResult:
+    returncodes: list
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return f"[rcs={self.returncodes}, {self.seconds:.1f} s]\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+
+def run_plain(n: int, code: str, *, args=(), timeout: float = 60.0, env: dict | None = None,
+              folder: str) -> PlainResult:
+    """Run `python -c code args` as n plain processes (no mpiexec): rank r gets env KCCL_RANK=r,
+    KCCL_SIZE=n and KCCL_RENDEZVOUS=folder (for kccl.FileRendezvous). Unlike hydra, nothing kills
+    the others when one dies, so tests can watch survivors. Every process is killed at `timeout`."""
+    start = time.monotonic()
+    procs = []
+    for r in range(n):
+        extra = {"KCCL_RANK": str(r), "KCCL_SIZE": str(n), "KCCL_RENDEZVOUS": folder, **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, "-c", code] + [str(a) for a in args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=mpi_env(extra), cwd=REPO_ROOT))
+    outs, errs, rcs, late = [], [], [], False
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(0.1, start + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            late = True
+            proc.kill()
+            out, err = proc.communicate()
+        outs.append(out)
+        errs.append(err)
+        rcs.append(proc.returncode)
+    res = PlainResult(rcs, "".join(outs), "".join(errs), time.monotonic() - start)
+    if late:
+        raise MpiTimeout(f"{n} plain ranks ran past {timeout} s", res.output)
+    return res

@@ -194,11 +194,21 @@ def test_closed_peer_is_reported_as_peer_lost(group):
         group[0].post("mlp", np.ones(4))
 
 
+def test_the_others_hear_the_root_cause_not_the_cascade(group):
+    hs = [group[0].post("attn", np.ones(4)), group[2].post("attn", np.ones(4))]
+    group[1].close()
+    with pytest.raises(PeerLost, match=r"rank 1 .* closed its communicator \(noticed by rank 0\)"):
+        group[0].collect(hs[0])
+    group[0].close()
+    with pytest.raises(PeerLost, match=r"rank 1 .* closed its communicator \(reported by rank 0\)"):
+        group[2].collect(hs[1])
+
+
 def test_dead_peer_is_reported_as_peer_lost(group):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    group[0]._pids[1] = child.pid  # rank 1 "was" that process
-    group[0]._starts[1] = 0
+    group[0]._watch.pids[1] = child.pid  # rank 1 "was" that process
+    group[0]._watch.starts[1] = 0
     h = group[0].post("attn", np.ones(4))
     t0 = time.monotonic()
     with pytest.raises(PeerLost, match=rf"rank 1 \(pid {child.pid}\) exited"):
