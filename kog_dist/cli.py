@@ -84,11 +84,12 @@ def cmd_generate(argv) -> int:
 
 
 def emit(out: dict, as_json: bool) -> None:
+    streamed = out.pop("streamed", False)
     if as_json:
         print(json.dumps(out))
         return
     s = out["stats"]
-    print(out["text"])
+    print("" if streamed else out["text"])
     print(f"\n[{out['backend']} x{out['ranks']}] prompt {out['prompt_tokens']} tokens, prefill "
           f"{s['prefill_ms']:.1f} ms, {s['new_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tok/s "
           f"(stop: {s['stop_reason']})", file=sys.stderr)
@@ -151,13 +152,13 @@ def main(argv=None) -> int:
             return cmd_checkpoint(rest)
         module = importlib.import_module(SUBCOMMANDS[name][0])
         return int(module.main(rest) or 0)
+    except BrokenPipeError:  # `kog ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (UsageError, ConfigError, CheckpointError, ValueError, OSError) as e:
         return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
 if __name__ == "__main__":

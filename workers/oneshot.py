@@ -47,11 +47,14 @@ def generate_one_process(a) -> dict:
     ids, cmd = build_request(a, cfg, tok)        # refuse bad input before any weight is read
     kind = resolve(a.backend)
     backend, cfg = make_backend(kind, a.model, max_seq=a.max_seq, num_slots=1)
+    stream = not a.json and sys.stdout.isatty()
     try:
-        res = backend.run(cmd, _streamer(tok) if not a.json and sys.stdout.isatty() else None)
+        res = backend.run(cmd, _streamer(tok) if stream else None)
     finally:
         backend.close()
-    return result_json(ids, res, tok, kind, 1, a.model)
+    out = result_json(ids, res, tok, kind, 1, a.model)
+    out["streamed"] = stream
+    return out
 
 
 def _streamer(tok):
@@ -60,8 +63,8 @@ def _streamer(tok):
     def on_token(t):
         before = tok.decode(seen)
         seen.append(t)
-        sys.stderr.write(tok.decode(seen)[len(before):])
-        sys.stderr.flush()
+        sys.stdout.write(tok.decode(seen)[len(before):])
+        sys.stdout.flush()
         return True
     return on_token
 
