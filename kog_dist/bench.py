@@ -1,0 +1,246 @@
+"""`kog bench`: llama-bench style speed table of the cuda backend (the monokernel), with the device's
+copy bandwidth and the PyTorch baselines measured in the same run.
+
+  kog bench --shape 2b                 random weights of the published 2B shape, made on the device
+  kog bench --model DIR                any checkpoint
+  kog bench --shape 2b --json          one JSON object on stdout
+
+Rows: pp<N> (time to first token of an N-token prompt: prefill + the first decode step + sampling),
+tg<G>@<P> (greedy decode of G tokens after a P-token prompt, median of --reps runs, timed by CUDA
+events around the one kernel launch), GB/s (weight bytes streamed per token * tokens/s) and the
+fraction of the copy bandwidth measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _say(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def cupy_copy_bandwidth(nbytes: int = 2 ** 31, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth through CuPy (bytes read + written per second)."""
+    import cupy as cp
+    a = cp.ones(nbytes, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    for _ in range(2):
+        b[...] = a
+    times = []
+    for _ in range(repeats):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, cp.cuda.get_current_stream().ptr)
+        e1.record()
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    del a, b
+    return 2.0 * nbytes / statistics.median(times)
+
+
+def shape_config(name: str):
+    from kog_dist.config import LaneformerConfig
+    if name != "2b":
+        raise ValueError(f"unknown shape {name!r} (known: 2b)")
+    from workers.cuda.torch_baseline import SHAPE_2B
+    d = dict(SHAPE_2B)
+    d.update(bos_token_id=1, eos_token_id=2)
+    return LaneformerConfig.from_dict(d)
+
+
+def _ids(rng, n, V):
+    return [int(x) for x in rng.integers(3, V, n)]
+
+
+def measure(backend, args, log=_say) -> dict:
+    """The monokernel rows. Returns a dict of measurements."""
+    import numpy as np
+    from kog_dist.sampling import SamplingParams
+    from workers.backend import RunCommand
+    from workers.cuda.weights import streamed_bytes
+    cfg = backend.cfg
+    V = cfg.vocab_size
+    rng = np.random.default_rng(args.seed)
+    greedy = SamplingParams()
+    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype)}
+
+    def run(prompt, gen):
+        return backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=gen, sampling=greedy),
+                           ignore_eos=True)
+
+    # prefill / time to first token
+    prompt = _ids(rng, args.pp, V)
+    run(prompt, 1)
+    ttft, pre = [], []
+    for _ in range(args.reps):
+        r = run(prompt, 1)
+        ttft.append(r.first_token_ms)
+        pre.append(r.prefill_ms)
+    out["pp"] = {"prompt": args.pp, "ttft_ms": statistics.median(ttft), "prefill_ms": statistics.median(pre),
+                 "tokens_per_s": args.pp / (statistics.median(ttft) / 1e3), "runs_ttft_ms": ttft}
+    log(f"pp{args.pp}: TTFT {out['pp']['ttft_ms']:.2f} ms (prefill {out['pp']['prefill_ms']:.2f} ms)")
+
+    def decode_row(plen, gen, key):
+        prompt = _ids(rng, plen, V)
+        r = run(prompt, gen)
+        tps, host = [], []
+        for _ in range(args.reps):
+            r = run(prompt, gen)
+            if len(r.token_ids) != gen:
+                raise RuntimeError(f"{key}: {len(r.token_ids)} tokens of {gen}")
+            tps.append(gen / (backend.last_kernel_ms / 1e3))
+            host.append(r.decode_tokens_per_s)
+        med = statistics.median(tps)
+        out[key] = {"prompt": plen, "gen": gen, "tokens_per_s": med, "runs_tokens_per_s": tps,
+                    "host_tokens_per_s": statistics.median(host), "ms_per_token": 1e3 / med,
+                    "GB_per_s": med * out["streamed_bytes_per_token"] / 1e9, "ids_head": r.token_ids[:16]}
+        log(f"{key}: {med:.1f} tokens/s ({1e3 / med:.3f} ms/token), runs {[round(x, 1) for x in tps]}")
+
+    decode_row(args.prompt, args.gen, "tg")
+    if args.ctx and args.ctx <= backend.max_seq:
+        decode_row(args.ctx - args.ctx_gen, args.ctx_gen, "tg_ctx")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kog bench", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--shape", help="published shape with random weights made on the device (2b)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="storage type for --shape")
+    ap.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
+    ap.add_argument("--pp", type=int, default=1024, help="prompt tokens for the prefill / TTFT row")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=512)
+    ap.add_argument("--ctx", type=int, default=4096, help="context of the long-context decode row (0: skip)")
+    ap.add_argument("--ctx-gen", type=int, default=128)
+    ap.add_argument("--baselines", default="eager,cuda_graph,compile",
+                    help="PyTorch baseline modes, comma separated, or 'none'")
+    ap.add_argument("--baseline-repeats", type=int, default=3)
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--prefetch", type=int, default=65536, help="L2 prefetch bytes per block and phase")
+    ap.add_argument("--nblocks", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    try:
+        import cupy as cp
+        ndev = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - any failure means no usable GPU
+        print(f"kog bench: needs CuPy and a CUDA GPU ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    if ndev < 1:
+        print("kog bench: no CUDA GPU", file=sys.stderr)
+        return 2
+    from kog_dist.config import load_config
+    from workers.cuda.backend import CudaBackend
+    from workers.cuda.build import build
+    from workers.cuda.weights import random_weights
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    dev_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    report = {"date": time.strftime("%Y-%m-%d"), "device": dev_name,
+              "sms": dev.attributes["MultiProcessorCount"], "args": vars(args)}
+    try:
+        from workers.cuda import torch_baseline as tb
+        have_torch = tb.torch_available()
+    except Exception:  # noqa: BLE001
+        tb, have_torch = None, False
+    # copy bandwidth of this device, in this run
+    bw = tb.measure_copy_bandwidth() if have_torch else cupy_copy_bandwidth()
+    report["copy_bandwidth_GBps"] = bw / 1e9
+    _say(f"copy bandwidth {bw / 1e9:.0f} GB/s ({'torch' if have_torch else 'cupy'})")
+    dtype = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[args.dtype]
+    need = max(args.pp + 1, args.prompt + args.gen, args.ctx)
+    if args.shape:
+        cfg = shape_config(args.shape)
+        k = build(cfg, dtype, args.nblocks, args.prefetch)
+        t0 = time.perf_counter()
+        dw = random_weights(cfg, dtype, k, seed=args.seed)
+        _say(f"random {args.shape} weights on the device in {time.perf_counter() - t0:.1f} s")
+        backend = CudaBackend(weights=dw, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
+                              nblocks=args.nblocks, prefetch=args.prefetch)
+        model_name = f"laneformer-{args.shape} (random)"
+    else:
+        cfg = load_config(args.model)
+        backend = CudaBackend(args.model, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
+                              nblocks=args.nblocks, prefetch=args.prefetch,
+                              dtype=dtype if args.dtype != "bf16" else None)
+        model_name = args.model
+    report["model"] = model_name
+    report["dtype"] = backend.dw.dtype
+    report["compile_s"] = backend.k.compile_s
+    report["monokernel"] = measure(backend, args)
+    mk = report["monokernel"]
+    for key in ("tg", "tg_ctx"):
+        if key in mk:
+            mk[key]["fraction_of_copy_bw"] = mk[key]["GB_per_s"] * 1e9 / bw
+    if "tg_ctx" in mk:
+        mk["ctx_slowdown"] = 1.0 - mk["tg_ctx"]["tokens_per_s"] / mk["tg"]["tokens_per_s"]
+    backend.close()
+    del backend
+    cp.get_default_memory_pool().free_all_blocks()
+    modes = [m for m in args.baselines.split(",") if m and m != "none"]
+    report["baselines"] = []
+    if modes:
+        if not have_torch:
+            report["baselines"] = [{"mode": m, "error": "torch is not importable"} for m in modes]
+        else:
+            report["baselines"] = tb.run_baselines(
+                cfg, None, prompt_len=args.prompt, gen_len=args.gen, modes=modes,
+                dtype={"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[report["dtype"]],
+                repeats=args.baseline_repeats, compile_mode=args.compile_mode,
+                log=lambda m: _say(m))
+    for b in report["baselines"]:
+        if "tokens_per_s" in b:
+            b["GB_per_s"] = b["tokens_per_s"] * mk["streamed_bytes_per_token"] / 1e9
+            b["fraction_of_copy_bw"] = b["GB_per_s"] * 1e9 / bw
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print(table(report))
+    return 0
+
+
+def table(r: dict) -> str:
+    mk = r["monokernel"]
+    dt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[r["dtype"]]
+    rows = []
+    pp = mk["pp"]
+    rows.append(("monokernel", f"pp{pp['prompt']}", f"{pp['tokens_per_s']:.0f}",
+                 f"TTFT {pp['ttft_ms']:.2f} ms", "", ""))
+    for key in ("tg", "tg_ctx"):
+        if key in mk:
+            x = mk[key]
+            rows.append(("monokernel", f"tg{x['gen']} @ {x['prompt']}", f"{x['tokens_per_s']:.1f}",
+                         f"{x['ms_per_token']:.3f} ms/tok", f"{x['GB_per_s']:.0f}",
+                         f"{100 * x['fraction_of_copy_bw']:.1f}%"))
+    for b in r["baselines"]:
+        name = f"torch {b['mode']}"
+        if "tokens_per_s" in b:
+            rows.append((name, f"tg{b['gen_len']} @ {b['prompt_len']}", f"{b['tokens_per_s']:.1f}",
+                         f"{b['ms_per_token']:.3f} ms/tok", f"{b['GB_per_s']:.0f}",
+                         f"{100 * b['fraction_of_copy_bw']:.1f}%"))
+        else:
+            rows.append((name, "-", "error", b.get("error", "")[:60], "", ""))
+    head = ("backend", "test", "t/s", "latency", "GB/s", "of copy BW")
+    w = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
+    line = lambda x: "| " + " | ".join(str(v).ljust(w[i]) for i, v in enumerate(x)) + " |"
+    out = [f"model: {r['model']}  dtype: {dt}  device: {r['device']} ({r['sms']} SMs)  date: {r['date']}",
+           f"copy bandwidth (measured now): {r['copy_bandwidth_GBps']:.0f} GB/s; weights streamed per token: "
+           f"{mk['streamed_bytes_per_token'] / 1e9:.3f} GB; ceiling "
+           f"{r['copy_bandwidth_GBps'] * 1e9 / mk['streamed_bytes_per_token']:.0f} tokens/s",
+           line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+    out += [line(x) for x in rows]
+    if "ctx_slowdown" in mk:
+        out.append(f"decode at {mk['tg_ctx']['prompt'] + mk['tg_ctx']['gen']} context: "
+                   f"{100 * mk['ctx_slowdown']:.1f}% slower than at {mk['tg']['prompt']}+{mk['tg']['gen']}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The `cuda` backend: batched prefill (cuBLAS + prefill.cu), then ONE launch of the monokernel for the
+whole generation. Tokens come back through host-mapped memory while the kernel runs; the host raises a
+host-mapped cancel flag that the kernel reads once per token.
+
+This version runs every lane on one GPU (one rank). Stop rules and results follow workers/cpu_backend.py
+exactly: the host applies them to the tokens in order; the kernel stops by itself on EOS / stop ids /
+max tokens / cancel, so it never runs more than one token past the host's decision.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from ..backend import Backend, Clock, RunCommand, RunResult, check_command
+
+REASONS = {1: "eos", 2: "stop", 3: "length", 4: "cancel"}
+N_PARAMS = 64
+MAX_STOP, MAX_EOS = 16, 8
+
+
+class _Mapped:
+    """Pinned host memory mapped into the device's address space (UVA: same pointer on both sides)."""
+
+    def __init__(self, n: int, dtype=np.int32):
+        import cupy as cp
+        self.nbytes = int(n * np.dtype(dtype).itemsize)
+        self.ptr = cp.cuda.runtime.hostAlloc(self.nbytes, 2)   # cudaHostAllocMapped
+        buf = (ctypes.c_byte * self.nbytes).from_address(self.ptr)
+        self.a = np.frombuffer(buf, dtype=dtype, count=n)
+
+    def free(self):
+        import cupy as cp
+        if self.ptr:
+            cp.cuda.runtime.freeHost(self.ptr)
+            self.ptr = 0
+
+
+class CudaBackend(Backend):
+    def __init__(self, model_dir: str | None = None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
+                 progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
+                 prefetch: int = 65536, prefill_chunk: int = 2048):
+        import cupy as cp
+        from kog_dist.config import load_config
+
+        from .build import build
+        from .prefill import Prefill
+        from .weights import load_checkpoint
+        self.cp = cp
+        if comm is not None and getattr(comm, "size", 1) > 1:
+            raise ValueError("the cuda backend runs all lanes on one GPU in this version (one rank)")
+        if weights is None:
+            cfg = cfg or load_config(model_dir)
+            weights = load_checkpoint(model_dir, cfg, dtype, progress)
+        self.cfg = cfg = weights.cfg
+        if lanes is not None and len(lanes) != cfg.num_lanes:
+            raise ValueError("the cuda backend runs all lanes on one GPU in this version (one rank)")
+        self.dw = weights
+        self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False)
+        self.nblocks = int(self.k.defines["CFG_NB"])
+        if self.k.params_bytes > N_PARAMS * 8:
+            raise RuntimeError("Params struct larger than the host buffer")
+        self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.num_slots = num_slots
+        self.tokens = [[] for _ in range(num_slots)]
+        self.caches = [None] * num_slots
+        self.prefill = Prefill(cfg, weights, self.k, prefill_chunk)
+        L, D, N, V, H, KV, hd = (cfg.num_lanes, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size,
+                                 cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim)
+        f32 = cp.float32
+        self.buf = {
+            "q": cp.empty(H * hd, f32),
+            "attp": cp.empty(KV * self.k.nch * (H // KV) * (hd + 2), f32),
+            "hid": cp.empty(cfg.intermediate_size, f32),
+            "part": cp.empty(N * 2 * L * D, f32),
+            "hres": cp.empty((2 * N + 1) * L * D, f32),
+            "logits": cp.empty(V, f32),
+            "cand_v": cp.empty(self.nblocks, f32),
+            "cand_i": cp.empty(self.nblocks, cp.int32),
+        }
+        self.ctr = cp.zeros(self.k.nctr, cp.uint64)
+        self.sortbuf = cp.empty(self.k.vpow2, cp.uint64)
+        self.params = cp.zeros(N_PARAMS, cp.uint64)
+        self.ring = _Mapped(self.max_seq + 2)
+        self.status = _Mapped(4)
+        self.cancel = _Mapped(1)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.last_kernel_ms = 0.0
+        self.last_prefill_ms = 0.0
+        self.cancel_raised_at = -1
+
+    # -- state ---------------------------------------------------------------------------------------
+    def cached(self, slot: int) -> int:
+        return len(self.tokens[slot]) if 0 <= slot < self.num_slots else 0
+
+    def free(self, slot: int) -> None:
+        self.tokens[slot] = []
+        self.caches[slot] = None
+
+    def close(self) -> None:
+        for m in (self.ring, self.status, self.cancel):
+            m.free()
+        self.caches = [None] * self.num_slots
+
+    def _cache(self, slot: int):
+        if self.caches[slot] is None:
+            cfg, cp = self.cfg, self.cp
+            shape = (cfg.num_hidden_layers, cfg.kv_heads, self.max_seq, cfg.head_dim)
+            self.caches[slot] = (cp.zeros(shape, self.dw.w.dtype), cp.zeros(shape, self.dw.w.dtype))
+        return self.caches[slot]
+
+    def kv_bytes_per_slot(self) -> int:
+        cfg = self.cfg
+        return 2 * cfg.num_hidden_layers * cfg.kv_heads * self.max_seq * cfg.head_dim * self.dw.w.itemsize
+
+    # -- one request ---------------------------------------------------------------------------------
+    def run(self, cmd: RunCommand, on_token=None, *, ignore_eos: bool = False, dbg_logits=None) -> RunResult:
+        cp, cfg = self.cp, self.cfg
+        check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
+        clock = Clock()
+        held = self.tokens[cmd.slot][:cmd.keep]
+        feed = [int(t) for t in cmd.append]
+        if not feed:
+            feed, held = held[-1:], held[:-1]
+        res = RunResult(prefill_tokens=len(feed))
+        kc, vc = self._cache(cmd.slot)
+        P = len(held) + len(feed)
+        max_new = min(cmd.max_new_tokens, self.max_seq - P + 1)
+        with self.stream:
+            pre = feed if max_new <= 0 else feed[:-1]
+            if pre:
+                self.prefill.run(pre, len(held), kc, vc, self.max_seq)
+            self.stream.synchronize()
+        res.prefill_ms = self.last_prefill_ms = clock.ms()
+        held = held + feed
+        if max_new <= 0:
+            self.tokens[cmd.slot] = held
+            res.cached = len(held)
+            res.stop_reason = "none" if cmd.max_new_tokens == 0 else "length"
+            return res
+        eos = () if ignore_eos else tuple(cfg.eos_token_ids)
+        stop = tuple(int(s) for s in cmd.stop_ids)
+        toks, reason, t_first = self._generate(kc, vc, feed[-1], P - 1, max_new, cmd.sampling, eos, stop, on_token,
+                                               clock, res, dbg_logits)
+        res.token_ids = toks
+        res.stop_reason = reason
+        held = held + toks[:-1]
+        self.tokens[cmd.slot] = held
+        res.cached = len(held)
+        return res
+
+    hang_s = 20.0
+
+    def _hang_report(self, seen):
+        """The kernel made no progress: print its counters (read on another stream while it runs) and
+        end the process, since a stuck kernel holds the device."""
+        import os
+        import sys
+        cp = self.cp
+        s = cp.cuda.Stream(non_blocking=True)
+        host = np.zeros(self.ctr.size, np.uint64)
+        try:
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data, self.ctr.data.ptr, host.nbytes, 2, s.ptr)
+            s.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
+        L = self.cfg.num_lanes
+        print(f"monokernel hang after {seen} tokens; status {list(self.status.a)}", file=sys.stderr)
+        for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2")):
+            print(f"  {name}: {list(host[ph * L:(ph + 1) * L])}", file=sys.stderr)
+        print(f"  ticket/token/tokval/stop: {list(host[5 * L:])}", file=sys.stderr, flush=True)
+        os._exit(17)
+
+    def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg):
+        b = self.buf
+        ptr = lambda a: 0 if a is None else a.data.ptr
+        vals = [ptr(self.dw.w), ptr(self.dw.norms), ptr(self.dw.fnorm), ptr(self.dw.emb), ptr(self.dw.lm),
+                ptr(kc), ptr(vc), ptr(b["q"]), ptr(b["attp"]), ptr(b["hid"]), ptr(b["part"]), ptr(b["hres"]),
+                ptr(b["logits"]), ptr(b["cand_v"]), ptr(b["cand_i"]), ptr(self.ctr), ptr(self.sortbuf), ptr(dbg),
+                self.ring.ptr, self.status.ptr, self.cancel.ptr]
+        h = np.zeros(N_PARAMS, np.uint64)
+        h[:len(vals)] = vals
+        i64 = h.view(np.int64)
+        f64 = h.view(np.float64)
+        i64[21], i64[22], i64[23], i64[24] = start_pos, first, max_new, self.max_seq
+        f64[25], f64[26] = float(sp.temperature), float(sp.top_p)
+        i64[27] = int(sp.top_k)
+        h[28] = np.uint64(int(sp.seed) & ((1 << 64) - 1))
+        dev_stop = stop[:MAX_STOP]
+        dev_eos = eos[:MAX_EOS]
+        i64[29], i64[30] = len(dev_stop), len(dev_eos)
+        for j, s in enumerate(dev_stop):
+            i64[31 + j] = s
+        for j, s in enumerate(dev_eos):
+            i64[47 + j] = s
+        self.params.set(h, stream=self.stream)
+
+    def _poison(self):
+        for name in ("q", "attp", "hid", "part", "hres", "logits", "cand_v"):
+            self.buf[name].fill(np.nan)
+        self.ctr.fill(0)
+        self.ring.a[:] = -1
+        self.status.a[:] = 0
+        self.cancel.a[:] = 0
+
+    def _generate(self, kc, vc, first, start_pos, max_new, sp, eos, stop, on_token, clock, res, dbg):
+        cp = self.cp
+        V = self.cfg.vocab_size
+        with self.stream:
+            self._poison()
+            self._params(kc, vc, first, start_pos, max_new, sp, eos, stop, dbg)
+            ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+            ev0.record(self.stream)
+            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes,
+                        enable_cooperative_groups=True)
+            ev1.record(self.stream)
+        stop_set, eos_set = set(stop), set(eos)
+        toks: list[int] = []
+        reason = None
+        t_first = None
+        seen = 0
+        ring, status = self.ring.a, self.status.a
+        last_progress = time.perf_counter()
+        while True:
+            cnt = int(status[0])
+            while seen < cnt and reason is None:
+                tok = int(ring[seen])
+                if not 0 <= tok < V:
+                    raise RuntimeError(f"monokernel: token {seen} not written (read {tok})")
+                seen += 1
+                toks.append(tok)
+                now = clock.ms()
+                if t_first is None:
+                    t_first = res.first_token_ms = now
+                res.decode_ms = now - t_first
+                go = on_token(tok) is not False if on_token else True
+                if not go:
+                    reason = "cancel"
+                elif tok in stop_set or tok in eos_set:
+                    reason = "eos" if tok in eos_set else "stop"
+                elif len(toks) >= max_new:
+                    reason = "length"
+                if reason is not None and reason != "length":
+                    self.cancel.a[0] = 1          # the kernel stops within one token
+                    self.cancel_raised_at = int(status[0])
+                last_progress = time.perf_counter()
+            if reason is not None or ev1.query():
+                if reason is None:
+                    # the kernel ended: drain what it wrote
+                    if int(status[0]) > seen:
+                        continue
+                break
+            if time.perf_counter() - last_progress > self.hang_s:
+                self._hang_report(seen)
+        ev1.synchronize()
+        self.last_kernel_ms = cp.cuda.get_elapsed_time(ev0, ev1)
+        if reason is None:
+            code = int(status[1])
+            if code == 0 or code == 4:
+                raise RuntimeError(f"monokernel ended without a stop reason after {seen} tokens (code {code})")
+            reason = REASONS[code]
+            if reason == "length" and len(toks) != max_new:
+                raise RuntimeError(f"monokernel stopped at {len(toks)} of {max_new} tokens")
+        return toks, reason, t_first

@@ -1,0 +1,144 @@
+"""Compile the monokernel and the prefill kernels for one model shape and storage type.
+
+Every model dimension is a compile-time constant (CFG_* defines), so loops unroll fully and register
+arrays stay in registers. The .cuh headers are inlined into one source string, so CuPy's on-disk
+compile cache (keyed by source and options) is invalidated by any change of any file. A progress line
+is printed while NVRTC and the driver compile (several seconds for the 2B shape).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ("monokernel.cu", "prefill.cu")
+WT_CODE = {"F32": 0, "BF16": 1, "F16": 2}
+_cache: dict = {}
+
+
+def _inline(path: str, seen: set) -> str:
+    out = []
+    for line in open(path):
+        m = re.match(r'\s*#include\s+"([^"]+)"', line)
+        if m:
+            inc = os.path.join(os.path.dirname(path), m.group(1))
+            if inc not in seen:
+                seen.add(inc)
+                out.append(_inline(inc, seen))
+            continue
+        if line.strip() == "#pragma once":
+            continue
+        out.append(line)
+    return "".join(out)
+
+
+def source() -> str:
+    seen: set = set()
+    return "\n".join(_inline(os.path.join(HERE, f), seen) for f in SOURCES)
+
+
+def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536) -> dict:
+    sw = cfg.sliding_window or 0
+    return {
+        "CFG_WT": WT_CODE[dtype], "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
+        "CFG_H": cfg.num_attention_heads, "CFG_KV": cfg.kv_heads, "CFG_HD": cfg.head_dim,
+        "CFG_F": cfg.intermediate_size, "CFG_V": cfg.vocab_size, "CFG_L": cfg.num_lanes,
+        "CFG_DELTA": cfg.broadcast_delay, "CFG_USE_COMM": int(cfg.use_comm),
+        "CFG_USE_EARLY": int(cfg.use_early_comm), "CFG_EARLY_FUTURE": int(cfg.early_layers_to_future),
+        "CFG_SW": sw, "CFG_SWN": cfg.sliding_window_n_layers if sw else 0,
+        "CFG_THETA": repr(float(cfg.rope_theta)), "CFG_EPS": repr(float(cfg.norm_eps)) + "f",
+        "CFG_NB": nblocks, "CFG_PF": prefetch,
+    }
+
+
+def check_shape(cfg, dtype: str) -> None:
+    """The kernel's layout rules, refused with a one-line reason."""
+    vec = 4 if dtype == "F32" else 8
+    hd, L = cfg.head_dim, cfg.num_lanes
+    dims = {"hidden_size": cfg.hidden_size, "head_dim": hd,
+            "heads per lane * head_dim": cfg.heads_per_lane * hd, "intermediate_size / num_lanes": cfg.ffn_per_lane}
+    for name, v in dims.items():
+        if v % vec:
+            raise ValueError(f"cuda backend: {name}={v} must be a multiple of {vec} for {dtype} storage")
+    if hd // vec > 32:
+        raise ValueError(f"cuda backend: head_dim={hd} is too large ({32 * vec} at most for {dtype})")
+    if cfg.hidden_size % 4:
+        raise ValueError("cuda backend: hidden_size must be a multiple of 4")
+    if L * max(cfg.hidden_size, cfg.ffn_per_lane) * 4 > 200 * 1024:
+        raise ValueError("cuda backend: num_lanes * hidden_size is too large for one block's shared memory")
+
+
+class Kernels:
+    def __init__(self, module, defs: dict, seconds: float):
+        self.module = module
+        self.defines = defs
+        self.compile_s = seconds
+        self.mono = module.get_function("monokernel")
+        import cupy as cp
+        info = cp.zeros(8, dtype=cp.int64)
+        module.get_function("monokernel_info")((1,), (1,), (info,))
+        self.info = [int(x) for x in info.get()]
+        self.smem_bytes, self.nctr, self.nch, self.vpow2, self.params_bytes, self.layer_elems = self.info[:6]
+        self.mono.max_dynamic_shared_size_bytes = self.smem_bytes
+        self.fn = {n: module.get_function(n) for n in
+                   ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32")}
+
+
+def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True) -> Kernels:
+    import cupy as cp
+    check_shape(cfg, dtype)
+    if nblocks is None:
+        nblocks = cp.cuda.Device().attributes["MultiProcessorCount"]
+    defs = defines(cfg, dtype, nblocks, prefetch)
+    key = tuple(sorted(defs.items()))
+    if key in _cache:
+        return _cache[key]
+    opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defs.items())
+    t0 = time.perf_counter()
+    if progress:
+        print(f"[kog] compiling monokernel ({dtype}, D={cfg.hidden_size}, layers={cfg.num_hidden_layers}, "
+              f"lanes={cfg.num_lanes}, blocks={nblocks}) ...", end="", file=sys.stderr, flush=True)
+    try:
+        mod = cp.RawModule(code=source(), options=opts, backend="nvrtc")
+        k = Kernels(mod, defs, 0.0)
+    except Exception:
+        if progress:
+            print(" failed", file=sys.stderr, flush=True)
+        raise
+    k.compile_s = time.perf_counter() - t0
+    if progress:
+        print(f" done in {k.compile_s:.1f} s", file=sys.stderr, flush=True)
+    _cache[key] = k
+    return k
+
+
+_PREBUILD = r"""
+import json, sys
+from kog_dist.config import LaneformerConfig
+from workers.cuda.build import build
+cfg = LaneformerConfig.from_dict(json.loads(sys.argv[1]))
+build(cfg, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), progress=False)
+"""
+
+
+def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True) -> None:
+    """Compile several (cfg, dtype) variants at once, one process each, to fill CuPy's disk cache; later
+    build() calls then only load the cached binaries. Failures surface at the later build()."""
+    import subprocess
+    import json
+    import cupy as cp
+    if nblocks is None:
+        nblocks = cp.cuda.Device().attributes["MultiProcessorCount"]
+    t0 = time.perf_counter()
+    root = os.path.dirname(os.path.dirname(HERE))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(cfg.to_dict()), dt, str(nblocks),
+                               str(prefetch)], env=env) for cfg, dt in items]
+    for p in procs:
+        p.wait()
+    if progress:
+        print(f"[kog] prebuilt {len(items)} monokernel variants in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)

@@ -1,0 +1,721 @@
+// monokernel.cu: the whole decode loop of one rank in one persistent kernel (docs/monokernel.md).
+// One block per SM, all resident (cooperative launch). Per token and layer five phases:
+//   QKV  (attention norm, q/k/v rows, RoPE, KV append)      units: pairs of rows
+//   ATT  (attention over the KV cache, split by positions)   units: (kv head, chunk)
+//   WO   (output projection + DTP combine into the residual) units: 4 rows
+//   W13  (ffn norm, gate/up rows, silu * up)                 units: (w1 row, w3 row)
+//   W2   (down projection + DTP combine)                     units: 2 rows
+// then LM (final norm and lane mean, LM head rows, the last block samples). No grid-wide barrier:
+// each block waits on per-(phase, lane) counters for exactly the lanes it reads, after it has asked
+// L2 for the first bytes of its own next weights.
+#include "common.cuh"
+#define NEG_INF __int_as_float(0xff800000)
+
+using namespace cfg;
+
+// ---- units and weight layout (elements of wt), see workers/cuda/README.md -----------------------
+constexpr int NCH = (NB / KV) > 0 ? (NB / KV) : 1;         // attention chunks per kv head
+constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
+constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
+constexpr int NR_WO = 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
+constexpr int UPL_W13 = FL, U_W13 = L * FL;
+constexpr int NR_W2 = 2, UPL_W2 = D / NR_W2, U_W2 = L * UPL_W2;
+constexpr int U_LM = (V + 1) / 2;
+constexpr long long QKV_SZ = (long long)L * RQKV * D, WO_SZ = (long long)L * D * HDL;
+constexpr long long W13_SZ = (long long)L * FL * 2 * D, W2_SZ = (long long)L * D * FL;
+constexpr long long OFF_QKV = 0, OFF_WO = QKV_SZ, OFF_W13 = OFF_WO + WO_SZ, OFF_W2 = OFF_W13 + W13_SZ;
+constexpr long long LAYER_SZ = OFF_W2 + W2_SZ;
+constexpr int pow2_at_least(int v) { int p = 1; while (p < v) p <<= 1; return p; }
+constexpr int VPOW2 = pow2_at_least(V);
+constexpr int ATTP = HD + 2;                                // (acc[HD], m, l) per (unit, head)
+// counters (u64): per phase and lane, then ticket, token, token value, stop
+enum { C_QKV = 0, C_ATT = 1, C_WO = 2, C_W13 = 3, C_W2 = 4 };
+constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STOP = 5 * L + 3;
+constexpr int NCTR = 5 * L + 4;
+
+// shared memory (floats)
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int SM_STAGE = L * cmax(cmax(D, FL), HDL);
+constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
+constexpr int SM_LM = 2 * D;
+constexpr int SM_FLOATS = cmax(cmax(SM_STAGE, SM_ATT), SM_LM) + 64;
+
+struct Params {                  // every field 8 bytes; backend.py fills it in this order
+  const wt* w;                   // 0  layer weights [NL][QKV|WO|W13|W2]
+  const float* norms;            // 1  [NL][2][L][D] (attention_norm, ffn_norm)
+  const float* fnorm;            // 2  [L][D]
+  const wt* emb;                 // 3  [V][D]
+  const wt* lm;                  // 4  [V][D]
+  wt* kc;                        // 5  [NL][KV][max_seq][HD]
+  wt* vc;                        // 6
+  float* q;                      // 7  [H][HD]
+  float* attp;                   // 8  [KV][NCH][G][HD+2]
+  float* hid;                    // 9  [L][FL]
+  float* part;                   // 10 [NL][2][L][D]
+  float* hres;                   // 11 [2NL+1][L][D]
+  float* logits;                 // 12 [V]
+  float* cand_v;                 // 13 [NB]
+  int* cand_i;                   // 14 [NB]
+  u64* ctr;                      // 15 [NCTR], zero at launch
+  u64* sortbuf;                  // 16 [VPOW2]
+  float* dbg_logits;             // 17 [max_new][V] or null
+  int* ring;                     // 18 host-mapped [max_new] token ids
+  int* status;                   // 19 host-mapped [4]: count, reason, done
+  const int* cancel;             // 20 host-mapped flag
+  long long start_pos;           // 21 position of the first fed token
+  long long first_token;         // 22
+  long long max_new;             // 23
+  long long max_seq;             // 24
+  double temperature;            // 25
+  double top_p;                  // 26
+  long long top_k;               // 27
+  u64 seed;                      // 28
+  long long n_stop;              // 29
+  long long n_eos;               // 30
+  long long stop_ids[16];        // 31..46
+  long long eos_ids[8];          // 47..54
+};
+
+// ---- helpers -----------------------------------------------------------------------------------
+__device__ __forceinline__ void brange(int U, int& a, int& b) {
+  a = (int)((long long)blockIdx.x * U / NB);
+  b = (int)((long long)(blockIdx.x + 1) * U / NB);
+}
+// count of units of lane l inside [a, b) for a lane-major unit space with upl units per lane
+__device__ __forceinline__ int lane_units(int l, int upl, int a, int b) {
+  int lo = max(a, l * upl), hi = min(b, (l + 1) * upl);
+  return hi > lo ? hi - lo : 0;
+}
+__device__ __forceinline__ bool fused_step(int s) {   // residual s written by its producer rows
+  if (s == 0) return true;
+  int i = (s - 1) / 2;
+  return !(USE_COMM && USE_EARLY && i < DELTA && L > 1);
+}
+
+__device__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) t += red[w];
+  return t;
+}
+
+// NR rows of K columns starting at w (row stride K), dotted with xs (shared, K floats); rows >= nvalid
+// are not read. All lanes get the NR sums.
+template <int NR, int K>
+__device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
+  constexpr int NCHK = K / VEC;
+  constexpr int CPL = (NCHK + 31) / 32;
+  constexpr int UB0 = 12 / NR;
+  constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
+  const int lane = threadIdx.x & 31;
+  float acc[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int b0 = 0; b0 < CPL; b0 += UB) {
+    uint4 wv[NR][UB];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int c = (b0 + u) * 32 + lane;
+        if (b0 + u < CPL && c < NCHK && r < nvalid)
+          wv[r][u] = ldw(w + (long long)r * K + (long long)c * VEC);
+        else
+          wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int c = (b0 + u) * 32 + lane;
+        if (b0 + u < CPL && c < NCHK) acc[r] += dot16(wv[r][u], xs + c * VEC);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// residual of lane l at version s, element d, where version s is in memory (or is the embedding)
+__device__ __forceinline__ float hbase(const Params& p, int s, int l, int d, int tok) {
+  if (s == 0) return w2f(p.emb[(long long)tok * D + d]);
+  return ldf(p.hres + ((long long)s * L + l) * D + d);
+}
+// residual of lane l at version s computed by its consumer (versions of the early layers with
+// use_early_comm, which need every lane's partial of this layer)
+__device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int tok) {
+  if (fused_step(s)) return hbase(p, s, l, d, tok);
+  const int i = (s - 1) / 2, kind = (s - 1) & 1;
+  const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D + d;
+  float tot = ldf(pp);
+#pragma unroll 1
+  for (int j = 1; j < L; ++j) tot += ldf(pp + (long long)j * D);
+  return hbase(p, s - 1, l, d, tok) + tot;
+}
+// dst[0..D) = rms(h_l at version s) * g; the writer block also stores a consumer-computed version
+__device__ void stage_norm(const Params& p, float* dst, int s, int l, const float* g, int tok, bool writer,
+                           float* red) {
+  float ss = 0.f;
+  for (int d = threadIdx.x; d < D; d += NT) {
+    float v = hval(p, s, l, d, tok);
+    dst[d] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / (float)D + EPS);
+  const bool wr = writer && !fused_step(s);
+  for (int d = threadIdx.x; d < D; d += NT) {
+    float v = dst[d];
+    if (wr) p.hres[((long long)s * L + l) * D + d] = v;
+    dst[d] = (v * inv) * g[d];
+  }
+  __syncthreads();
+}
+// the producer's combine for row r of lane l: partial pv of layer i, kind (0 attention, 1 mlp)
+__device__ __forceinline__ void combine_row(const Params& p, int i, int kind, int l, int r, float pv, int tok) {
+  const int s = 2 * i + 1 + kind;
+  p.part[((long long)(i * 2 + kind) * L + l) * D + r] = pv;
+  if (!fused_step(s)) return;
+  const float base = hbase(p, s - 1, l, r, tok);
+  float h;
+  const float sqrtL = sqrtf((float)L);
+  if (!USE_COMM || (i < DELTA)) {
+    h = base + sqrtL * pv;       // (i < DELTA here means: no early comm, or a single lane)
+    if (USE_COMM && L == 1) h = base + pv;
+  } else {
+    float dt = 0.f;
+    const int j0 = i - DELTA;
+    if (j0 >= DELTA || EARLY_FUTURE) {
+      const float* pp = p.part + ((long long)(j0 * 2 + kind) * L) * D + r;
+      float tot = ldf(pp);
+#pragma unroll 1
+      for (int j = 1; j < L; ++j) tot += ldf(pp + (long long)j * D);
+      dt = tot - ldf(pp + (long long)l * D);
+    }
+    h = base + (pv + dt);
+  }
+  p.hres[((long long)s * L + l) * D + r] = h;
+}
+
+__device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl, int a, int b) {
+  __syncthreads();
+  if (threadIdx.x == 0 && a < b) {
+    __threadfence();
+    for (int l = a / upl; l <= (b - 1) / upl; ++l) {
+      int n = lane_units(l, upl, a, b);
+      if (n) red_release(p.ctr + phase * L + l, (u64)n);
+    }
+  }
+}
+__device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
+  for (int l = l0; l <= l1; ++l) spin_until(p.ctr + phase * L + l, target);
+}
+// the delayed partials of layer i - DELTA must be complete before a producer of layer i combines
+__device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl, int n, int i) {
+  if (USE_COMM && L > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE))
+    wait_lanes(p, phase, 0, L - 1, (u64)(n * NL + i - DELTA + 1) * upl);
+}
+
+// ---- phases ------------------------------------------------------------------------------------
+__device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok) {
+  int ua, ub;
+  brange(U_QKV, ua, ub);
+  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_QKV;
+  prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+  if (ua >= ub) return;
+  const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
+  float* red = sm + SM_FLOATS - 64;
+  const int s = 2 * i;
+  if (threadIdx.x == 0 && s > 0) {
+    const u64 tgt = (u64)(n * NL + i) * UPL_W2;    // W2 of layer i-1 done
+    if (fused_step(s)) wait_lanes(p, C_W2, l0, l1, tgt);
+    else wait_lanes(p, C_W2, 0, L - 1, tgt);
+  }
+  __syncthreads();
+  for (int l = l0; l <= l1; ++l)
+    stage_norm(p, sm + (l - l0) * D, s, l, p.norms + ((long long)(i * 2 + 0) * L + l) * D, tok,
+               ua <= l * UPL_QKV && l * UPL_QKV < ub, red);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int u = ua + warp; u < ub; u += NW) {
+    const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
+    float acc[2];
+    warp_dot<2, D>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
+    if (lane == 0) {
+      int r = row, region = 0;
+      if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
+      const int hh = r / HD, dd = r % HD;
+      float x0 = acc[0], x1 = acc[1];
+      if (region < 2) {
+        const double inv = pow((double)CFG_THETA, -(double)dd / (double)HD);
+        const double ang = (double)t * inv;
+        const float c = (float)cos(ang), sn = (float)sin(ang);
+        const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+        x0 = y0; x1 = y1;
+      }
+      if (region == 0) {
+        float* q = p.q + (long long)(l * HL + hh) * HD + dd;
+        q[0] = x0; q[1] = x1;
+      } else {
+        const int g = l * KVL + hh;
+        wt* c = (region == 1 ? p.kc : p.vc) + (((long long)i * KV + g) * p.max_seq + t) * HD + dd;
+        c[0] = f2w(x0); c[1] = f2w(x1);
+      }
+    }
+  }
+  signal_lanes(p, C_QKV, UPL_QKV, ua, ub);
+}
+
+__device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
+  int ua, ub;
+  brange(U_ATT, ua, ub);
+  {  // the output projection's weights come next: ask L2 for them now
+    int wa, wb;
+    brange(U_WO, wa, wb);
+    prefetch_l2(p.w + (long long)i * LAYER_SZ + OFF_WO + (long long)wa * NR_WO * HDL,
+                (long long)(wb - wa) * NR_WO * HDL * sizeof(wt), PF);
+  }
+  if (ua >= ub) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* sq = sm;                        // [G][HD]
+  float* wacc = sm + G * HD;             // [NW][G][HD]
+  float* wm = wacc + NW * G * HD;        // [NW][G]
+  float* wl = wm + NW * G;               // [NW][G]
+  const int lo = sliding(i) ? max(0, t - SW + 1) : 0;
+  const int nvis = t - lo + 1;
+  const int CH = (nvis + NCH - 1) / NCH;
+  const float scale = 1.0f / sqrtf((float)HD);
+  constexpr int VCH = HD / VEC, S = 32 / VCH;
+  const int slot = lane / VCH, ch = lane % VCH;
+  int waited = -1;
+  for (int u = ua; u < ub; ++u) {
+    const int g = u / NCH, c = u % NCH, l = g / KVL;
+    if (l != waited) {
+      if (threadIdx.x == 0) spin_until(p.ctr + C_QKV * L + l, (u64)(n * NL + i + 1) * UPL_QKV);
+      waited = l;
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < G * HD; x += NT) sq[x] = ldf(p.q + (long long)g * G * HD + x);
+    __syncthreads();
+    const int cs = lo + c * CH, ce = min(cs + CH, t + 1);
+    const wt* kb = p.kc + ((long long)i * KV + g) * p.max_seq * HD;
+    const wt* vb = p.vc + ((long long)i * KV + g) * p.max_seq * HD;
+    float m[G], ls[G], acc[G][VEC];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      m[h] = -1e30f; ls[h] = 0.f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[h][e] = 0.f;
+    }
+    for (int j0 = cs + warp * 32; j0 < ce; j0 += NW * 32) {
+      const int j = j0 + lane;
+      const bool valid = j < ce;
+      float sc[G];
+#pragma unroll
+      for (int h = 0; h < G; ++h) sc[h] = 0.f;
+      if (valid) {
+        uint4 kv[VCH];
+#pragma unroll
+        for (int cc = 0; cc < VCH; ++cc) kv[cc] = ldc16(kb + (long long)j * HD + cc * VEC);
+#pragma unroll
+        for (int cc = 0; cc < VCH; ++cc)
+#pragma unroll
+          for (int h = 0; h < G; ++h) sc[h] += dot16(kv[cc], sq + h * HD + cc * VEC);
+      }
+      float pj[G];
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float sv = valid ? sc[h] * scale : -1e30f;
+        const float mn = fmaxf(m[h], warp_max(sv));
+        const float corr = expf(m[h] - mn);
+        pj[h] = valid ? expf(sv - mn) : 0.f;
+        ls[h] = ls[h] * corr + warp_sum(pj[h]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[h][e] *= corr;
+        m[h] = mn;
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < 32; k0 += S) {
+        const int kk = k0 + slot;
+        float pv[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) pv[h] = __shfl_sync(0xffffffffu, pj[h], kk & 31);
+        if (slot < S && kk < 32 && j0 + kk < ce) {
+          uint4 vv = ldc16(vb + (long long)(j0 + kk) * HD + ch * VEC);
+          float f[VEC];
+          unpack(vv, f);
+#pragma unroll
+          for (int h = 0; h < G; ++h)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[h][e] = fmaf(pv[h], f[e], acc[h][e]);
+        }
+      }
+    }
+    // slots of a warp -> slot 0
+#pragma unroll
+    for (int so = 1; so < S; ++so)
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[h][e] += __shfl_down_sync(0xffffffffu, acc[h][e], so * VCH);
+    if (lane < VCH) {
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) wacc[(warp * G + h) * HD + ch * VEC + e] = acc[h][e];
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) { wm[warp * G + h] = m[h]; wl[warp * G + h] = ls[h]; }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < G * HD; x += NT) {
+      const int h = x / HD, d = x % HD;
+      float M = -1e30f;
+      for (int w = 0; w < NW; ++w) M = fmaxf(M, wm[w * G + h]);
+      float A = 0.f, Ls = 0.f;
+      for (int w = 0; w < NW; ++w) {
+        const float e = expf(wm[w * G + h] - M);
+        A += wacc[(w * G + h) * HD + d] * e;
+        Ls += wl[w * G + h] * e;
+      }
+      float* o = p.attp + ((long long)(g * NCH + c) * G + h) * ATTP;
+      o[d] = A;
+      if (d == 0) { o[HD] = M; o[HD + 1] = Ls; }
+    }
+  }
+  signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
+}
+
+__device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
+  int ua, ub;
+  brange(U_WO, ua, ub);
+  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
+  if (ua >= ub) return;
+  const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
+  if (threadIdx.x == 0) {
+    wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
+    wait_delayed(p, C_WO, UPL_WO, n, i);
+  }
+  __syncthreads();
+  // attention outputs of the block's lanes, merged over the position chunks
+  for (int l = l0; l <= l1; ++l)
+    for (int x = threadIdx.x; x < HDL; x += NT) {
+      const int hh = x / HD, d = x % HD, qh = l * HL + hh, g = qh / G, hg = qh % G;
+      const float* a = p.attp + ((long long)g * NCH * G + hg) * ATTP;
+      float M = -1e30f;
+      for (int c = 0; c < NCH; ++c) M = fmaxf(M, ldf(a + (long long)c * G * ATTP + HD));
+      float A = 0.f, Ls = 0.f;
+      for (int c = 0; c < NCH; ++c) {
+        const float* ac = a + (long long)c * G * ATTP;
+        const float e = expf(ldf(ac + HD) - M);
+        A += ldf(ac + d) * e;
+        Ls += ldf(ac + HD + 1) * e;
+      }
+      sm[(l - l0) * HDL + x] = A / Ls;
+    }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int u = ua + warp; u < ub; u += NW) {
+    const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
+    float acc[NR_WO];
+    warp_dot<NR_WO, HDL>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
+#pragma unroll
+    for (int r = 0; r < NR_WO; ++r)
+      if (lane == r) combine_row(p, i, 0, l, r0 + r, acc[r], tok);
+  }
+  signal_lanes(p, C_WO, UPL_WO, ua, ub);
+}
+
+__device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
+  int ua, ub;
+  brange(U_W13, ua, ub);
+  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
+  prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+  if (ua >= ub) return;
+  const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
+  float* red = sm + SM_FLOATS - 64;
+  const int s = 2 * i + 1;
+  if (threadIdx.x == 0) {
+    const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
+    if (fused_step(s)) wait_lanes(p, C_WO, l0, l1, tgt);
+    else wait_lanes(p, C_WO, 0, L - 1, tgt);
+  }
+  __syncthreads();
+  for (int l = l0; l <= l1; ++l)
+    stage_norm(p, sm + (l - l0) * D, s, l, p.norms + ((long long)(i * 2 + 1) * L + l) * D, tok,
+               ua <= l * UPL_W13 && l * UPL_W13 < ub, red);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int u = ua + warp; u < ub; u += NW) {
+    const int l = u / UPL_W13, j = u % UPL_W13;
+    float acc[2];
+    warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
+    if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
+  }
+  signal_lanes(p, C_W13, UPL_W13, ua, ub);
+}
+
+__device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
+  int ua, ub;
+  brange(U_W2, ua, ub);
+  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
+  prefetch_l2(W + (long long)ua * NR_W2 * FL, (long long)(ub - ua) * NR_W2 * FL * sizeof(wt), PF);
+  if (ua >= ub) return;
+  const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
+  if (threadIdx.x == 0) {
+    wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
+    wait_delayed(p, C_W2, UPL_W2, n, i);
+  }
+  __syncthreads();
+  for (int l = l0; l <= l1; ++l)
+    for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + x] = ldf(p.hid + (long long)l * FL + x);
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int u = ua + warp; u < ub; u += NW) {
+    const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
+    float acc[NR_W2];
+    warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
+#pragma unroll
+    for (int r = 0; r < NR_W2; ++r)
+      if (lane == r) combine_row(p, i, 1, l, r0 + r, acc[r], tok);
+  }
+  signal_lanes(p, C_W2, UPL_W2, ua, ub);
+}
+
+// full sampling (temperature / top-k / top-p) by one block; returns the token in every thread
+__device__ int sample_full(const Params& p, float* sm, u64 counter) {
+  double* dred = reinterpret_cast<double*>(sm);    // [NW + 4]
+  int* ired = reinterpret_cast<int*>(sm + 2 * (NW + 8));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  u64* buf = p.sortbuf;
+  // keys: logits descending (= probability descending), then index ascending
+  for (int v = tid; v < VPOW2; v += NT) {
+    u64 key = 0;
+    if (v < V) {
+      u32 b = __float_as_uint(ldf(p.logits + v));
+      b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);      // orderable
+      key = ((u64)b << 32) | (u64)(0xffffffffu - (u32)v);
+    }
+    buf[v] = key;
+  }
+  __syncthreads();
+  for (int k = 2; k <= VPOW2; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int x = tid; x < VPOW2; x += NT) {
+        const int y = x ^ j;
+        if (y > x) {
+          const u64 a = __ldcg(buf + x), b = __ldcg(buf + y);
+          const bool desc = (x & k) == 0;
+          if (desc ? (a < b) : (a > b)) { buf[x] = b; buf[y] = a; }
+        }
+      }
+      __syncthreads();
+    }
+  auto idx_of = [&](u64 key) { return (int)(0xffffffffu - (u32)(key & 0xffffffffu)); };
+  const double T = p.temperature;
+  const double zmax = (double)ldf(p.logits + idx_of(__ldcg(buf))) / T;
+  const int K = (p.top_k > 0 && p.top_k < V) ? (int)p.top_k : V;
+  // each thread owns a contiguous segment of the first K sorted candidates
+  const int seg = (K + NT - 1) / NT;
+  const int a = min(K, tid * seg), b = min(K, a + seg);
+  double loc = 0.0;
+  for (int x = a; x < b; ++x) loc += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+  // exclusive scan of the segment sums (thread order = sorted order)
+  double incl = loc;
+  for (int o = 1; o < 32; o <<= 1) {
+    double y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) dred[warp] = incl;
+  __syncthreads();
+  if (tid == 0) {
+    double run = 0.0;
+    for (int w = 0; w < NW; ++w) { double t = dred[w]; dred[w] = run; run += t; }
+    dred[NW] = run;
+  }
+  __syncthreads();
+  const double before = dred[warp] + incl - loc;
+  const double total = dred[NW];
+  int Kp = K;
+  double total2 = total;
+  if (p.top_p < 1.0) {
+    if (tid == 0) ired[0] = K;
+    __syncthreads();
+    double c = before;
+    for (int x = a; x < b; ++x) {
+      c += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+      if (c / total >= p.top_p) { atomicMin(ired, x + 1); break; }
+    }
+    __syncthreads();
+    Kp = ired[0];
+    __syncthreads();
+    // total of the kept prefix: recompute by the owner of its last element
+    if (a < Kp && Kp <= b) {
+      double c2 = before;
+      for (int x = a; x < Kp; ++x) c2 += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+      dred[NW + 1] = c2;
+    }
+    __syncthreads();
+    total2 = dred[NW + 1];
+  }
+  const double u = uniform01(p.seed, counter);
+  if (tid == 0) ired[1] = Kp - 1;
+  __syncthreads();
+  {
+    double c = before;
+    for (int x = a; x < min(b, Kp); ++x) {
+      c += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+      if (c / total2 > u) { atomicMin(ired + 1, x); break; }
+    }
+  }
+  __syncthreads();
+  const int tok = idx_of(__ldcg(buf + ired[1]));
+  __syncthreads();
+  return tok;
+}
+
+// returns false when the generation ends with this token
+__device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
+  int ua, ub;
+  brange(U_LM, ua, ub);
+  prefetch_l2(p.lm + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  float* y = sm;
+  float* tmp = sm + D;
+  float* red = sm + SM_FLOATS - 64;
+  __shared__ float bv[NW];
+  __shared__ int bi[NW];
+  __shared__ int last;
+  float best = NEG_INF;
+  int besti = 0x7fffffff;
+  if (ua < ub) {
+    if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
+    __syncthreads();
+    for (int l = 0; l < L; ++l) {
+      stage_norm(p, tmp, 2 * NL, l, p.fnorm + (long long)l * D, tok, false, red);
+      for (int d = tid; d < D; d += NT) y[d] = (l == 0 ? 0.f : y[d]) + tmp[d];
+    }
+    for (int d = tid; d < D; d += NT) y[d] = y[d] / (float)L;
+    __syncthreads();
+    for (int u = ua + warp; u < ub; u += NW) {
+      const int r0 = 2 * u;
+      float acc[2];
+      warp_dot<2, D>(p.lm + (long long)r0 * D, min(2, V - r0), y, acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (r0 + r < V) {
+            p.logits[r0 + r] = acc[r];
+            if (p.dbg_logits) p.dbg_logits[(long long)n * V + r0 + r] = acc[r];
+            if (acc[r] > best) { best = acc[r]; besti = r0 + r; }
+          }
+      }
+    }
+  }
+  if (lane == 0) { bv[warp] = best; bi[warp] = besti; }
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 0; w < NW; ++w)
+      if (bv[w] > best || (bv[w] == best && bi[w] < besti)) { best = bv[w]; besti = bi[w]; }
+    p.cand_v[blockIdx.x] = best;
+    p.cand_i[blockIdx.x] = besti;
+    __threadfence();
+    const u64 tk = atomicAdd(p.ctr + C_TICKET, 1ull);
+    last = (tk == (u64)(n + 1) * NB - 1);
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  // ---- the last block to finish the LM head samples the token ----
+  const bool greedy = p.temperature <= 0.0 || p.top_k == 1;
+  const u64 counter = (u64)(p.start_pos + n + 1);
+  int next;
+  if (greedy) {
+    if (tid == 0) {
+      float bb = NEG_INF;
+      int bidx = 0x7fffffff;
+      for (int b = 0; b < NB; ++b) {
+        const float v = ldf(p.cand_v + b);
+        const int ix = __ldcg(p.cand_i + b);
+        if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
+      }
+      if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
+      last = bidx;
+    }
+    __syncthreads();
+    next = last;
+  } else {
+    next = sample_full(p, sm, counter);
+  }
+  if (tid == 0) {
+    volatile int* ring = p.ring;
+    volatile int* st = p.status;
+    ring[n] = next;
+    __threadfence_system();
+    st[0] = n + 1;
+    int reason = 0;
+    for (int k = 0; k < p.n_eos; ++k) if (p.eos_ids[k] == next) reason = 1;
+    if (!reason) for (int k = 0; k < p.n_stop; ++k) if (p.stop_ids[k] == next) reason = 2;
+    if (!reason && n + 1 >= p.max_new) reason = 3;
+    if (!reason && *(volatile const int*)p.cancel) reason = 4;
+    if (reason) {
+      st[1] = reason;
+      __threadfence_system();
+      st[2] = 1;
+    }
+    p.ctr[C_TOKVAL] = (u64)next;
+    p.ctr[C_STOP] = (u64)reason;
+    st_release(p.ctr + C_TOKEN, (u64)(n + 1));
+  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __restrict__ pp) {
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  __shared__ int tok_s, stop_s;
+  __shared__ Params ps;
+  for (int x = threadIdx.x; x < (int)(sizeof(Params) / 8); x += blockDim.x)
+    reinterpret_cast<u64*>(&ps)[x] = reinterpret_cast<const u64*>(pp)[x];
+  __syncthreads();
+  const Params& p = ps;
+  int tok = (int)p.first_token;
+  for (int n = 0; n < p.max_new; ++n) {
+    const int t = (int)p.start_pos + n;
+    if (n > 0) {
+      // next token's first weights into L2, then wait for the sampler
+      int ua, ub;
+      brange(U_QKV, ua, ub);
+      prefetch_l2(p.w + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+      if (threadIdx.x == 0) {
+        spin_until(p.ctr + C_TOKEN, (u64)n);
+        tok_s = (int)__ldcg(p.ctr + C_TOKVAL);
+        stop_s = (int)__ldcg(p.ctr + C_STOP);
+      }
+      __syncthreads();
+      if (stop_s) return;
+      tok = tok_s;
+    }
+    for (int i = 0; i < NL; ++i) {
+      phase_qkv(p, sm, n, i, t, tok);
+      phase_att(p, sm, n, i, t);
+      phase_wo(p, sm, n, i, tok);
+      phase_w13(p, sm, n, i, tok);
+      phase_w2(p, sm, n, i, tok);
+    }
+    phase_lm(p, sm, n, tok);
+  }
+}
+
+extern "C" __global__ void monokernel_info(long long* out) {
+  out[0] = SM_FLOATS * 4;   // dynamic shared memory bytes
+  out[1] = NCTR;
+  out[2] = NCH;
+  out[3] = VPOW2;
+  out[4] = sizeof(Params);
+  out[5] = LAYER_SZ;
+}

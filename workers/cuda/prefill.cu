@@ -1,0 +1,166 @@
+// prefill.cu: the element-wise and attention kernels of the batched prefill (prefill.py runs the
+// projections as cuBLAS strided-batched GEMMs over lanes, in the storage type, accumulating in fp32).
+// Activations: X [L][T][D] fp32 residuals; GEMM inputs in the storage type.
+#include "common.cuh"
+
+using namespace cfg;
+
+extern "C" __global__ void pf_embed(const wt* __restrict__ emb, const int* __restrict__ ids, int T, float* X) {
+  const long long n = (long long)T * D;
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
+    const int t = (int)(x / D), d = (int)(x % D);
+    const float v = w2f(emb[(long long)ids[t] * D + d]);
+    for (int l = 0; l < L; ++l) X[((long long)l * T) * D + x] = v;
+  }
+}
+
+// one block (256 threads) per (lane, token) row: Xn = rms(X) * g[l]
+extern "C" __global__ void pf_norm(const float* __restrict__ X, const float* __restrict__ g, wt* Xn, int T) {
+  const int row = blockIdx.x, l = row / T;
+  const float* x = X + (long long)row * D;
+  __shared__ float red[32];
+  float ss = 0.f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) ss += x[d] * x[d];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) tot += red[w];
+  const float inv = 1.0f / sqrtf(tot / (float)D + EPS);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) Xn[(long long)row * D + d] = f2w((x[d] * inv) * g[(long long)l * D + d]);
+}
+
+// Y [L][T][RQKV] -> rotated q [L][T][HDL] fp32, rotated k and v into the cache at pos0 + t
+extern "C" __global__ void pf_rope(const float* __restrict__ Y, int T, int pos0, int layer, float* Q, wt* kc, wt* vc,
+                                   long long max_seq) {
+  const long long n = (long long)L * T * (RQKV / 2);
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
+    const int pr = (int)(x % (RQKV / 2));
+    const long long lt = x / (RQKV / 2);
+    const int t = (int)(lt % T), l = (int)(lt / T);
+    const int row = 2 * pr;
+    float x0 = Y[lt * RQKV + row], x1 = Y[lt * RQKV + row + 1];
+    int r = row, region = 0;
+    if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
+    const int hh = r / HD, dd = r % HD;
+    const int pos = pos0 + t;
+    if (region < 2) {
+      const double inv = pow((double)CFG_THETA, -(double)dd / (double)HD);
+      const double ang = (double)pos * inv;
+      const float c = (float)cos(ang), sn = (float)sin(ang);
+      const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+      x0 = y0; x1 = y1;
+    }
+    if (region == 0) {
+      float* q = Q + lt * HDL + hh * HD + dd;
+      q[0] = x0; q[1] = x1;
+    } else {
+      const int g = l * KVL + hh;
+      wt* c = (region == 1 ? kc : vc) + (((long long)layer * KV + g) * max_seq + pos) * HD + dd;
+      c[0] = f2w(x0); c[1] = f2w(x1);
+    }
+  }
+}
+
+// one warp per (token, query head), online softmax over the visible cache positions
+constexpr int PF_DPL = (HD + 31) / 32;
+extern "C" __global__ void pf_attn(const float* __restrict__ Q, const wt* __restrict__ kc, const wt* __restrict__ vc,
+                                   int T, int pos0, int layer, long long max_seq, wt* O) {
+  const int gw = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+  __shared__ __align__(16) float qs[8][HD];
+  if (gw >= T * H) return;
+  const int t = gw / H, qh = gw % H, l = qh / HL, hh = qh % HL, g = qh / G;
+  const long long lt = (long long)l * T + t;
+  for (int d = lane; d < HD; d += 32) qs[wib][d] = Q[lt * HDL + hh * HD + d];
+  __syncwarp();
+  const int pos = pos0 + t;
+  const int lo = sliding(layer) ? max(0, pos - SW + 1) : 0;
+  const wt* kb = kc + ((long long)layer * KV + g) * max_seq * HD;
+  const wt* vb = vc + ((long long)layer * KV + g) * max_seq * HD;
+  const float scale = 1.0f / sqrtf((float)HD);
+  float m = -1e30f, ls = 0.f, acc[PF_DPL];
+#pragma unroll
+  for (int k = 0; k < PF_DPL; ++k) acc[k] = 0.f;
+  constexpr int VCH = HD / VEC;
+  for (int j0 = lo; j0 <= pos; j0 += 32) {
+    const int j = j0 + lane;
+    const bool valid = j <= pos;
+    float s = 0.f;
+    if (valid) {
+      const uint4* kr = reinterpret_cast<const uint4*>(kb + (long long)j * HD);
+#pragma unroll
+      for (int c = 0; c < VCH; ++c) s += dot16(kr[c], qs[wib] + c * VEC);
+    }
+    const float sv = valid ? s * scale : -1e30f;
+    const float mn = fmaxf(m, warp_max(sv));
+    const float corr = expf(m - mn);
+    const float pj = valid ? expf(sv - mn) : 0.f;
+    ls = ls * corr + warp_sum(pj);
+#pragma unroll
+    for (int k = 0; k < PF_DPL; ++k) acc[k] *= corr;
+    m = mn;
+    const int nk = min(32, pos - j0 + 1);
+    for (int kk = 0; kk < nk; ++kk) {
+      const float pv = __shfl_sync(0xffffffffu, pj, kk);
+      const wt* vr = vb + (long long)(j0 + kk) * HD;
+#pragma unroll
+      for (int k = 0; k < PF_DPL; ++k) {
+        const int d = lane + 32 * k;
+        if (d < HD) acc[k] = fmaf(pv, w2f(vr[d]), acc[k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < PF_DPL; ++k) {
+    const int d = lane + 32 * k;
+    if (d < HD) O[lt * HDL + hh * HD + d] = f2w(acc[k] / ls);
+  }
+}
+
+// the DTP combine of one layer's partials P [L][T][D] (old: the same kind, layer - DELTA, or null)
+extern "C" __global__ void pf_combine(float* X, const float* __restrict__ P, const float* __restrict__ Pold, int layer,
+                                      int T) {
+  const long long n = (long long)T * D, LS = (long long)T * D;
+  const float sqrtL = sqrtf((float)L);
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
+    const bool early = layer < DELTA;
+    if (!USE_COMM) {
+      for (int l = 0; l < L; ++l) X[l * LS + x] += sqrtL * P[l * LS + x];
+    } else if (early && USE_EARLY) {
+      float tot = P[x];
+      for (int l = 1; l < L; ++l) tot += P[l * LS + x];
+      for (int l = 0; l < L; ++l) X[l * LS + x] += tot;
+    } else if (early) {
+      for (int l = 0; l < L; ++l) X[l * LS + x] += sqrtL * P[l * LS + x];
+    } else {
+      float tot = 0.f;
+      if (Pold) {
+        tot = Pold[x];
+        for (int l = 1; l < L; ++l) tot += Pold[l * LS + x];
+      }
+      for (int l = 0; l < L; ++l) {
+        const float dt = Pold ? tot - Pold[l * LS + x] : 0.f;
+        X[l * LS + x] += P[l * LS + x] + dt;
+      }
+    }
+  }
+}
+
+// Y [L][T][FL][2] (gate, up interleaved) -> silu(gate) * up in the storage type [L][T][FL]
+extern "C" __global__ void pf_silu(const float* __restrict__ Y, wt* Hd, long long n) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
+    const float a = Y[2 * x], b = Y[2 * x + 1];
+    Hd[x] = f2w(a / (1.0f + expf(-a)) * b);
+  }
+}
+
+// final norm and lane mean of the last position: y [D] (used by max_new_tokens == 0 checks and tests)
+extern "C" __global__ void f32_to_w(const float* __restrict__ in, wt* out, long long n) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x)
+    out[x] = f2w(in[x]);
+}
+extern "C" __global__ void w_to_f32(const wt* __restrict__ in, float* out, long long n) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x)
+    out[x] = w2f(in[x]);
+}

@@ -1,0 +1,105 @@
+"""Batched prefill on the GPU: the prompt's tokens go through every layer at once, filling the KV cache.
+
+Projections are cuBLAS strided-batched GEMMs over the lanes (storage type in, fp32 accumulate and out:
+bf16 and fp16 on the tensor cores, fp32 as plain SGEMM); norms, RoPE + cache append, attention, SiLU and
+the DTP combine are the kernels of prefill.cu. Only the KV cache is the result: the monokernel then feeds
+the last prompt token as its first decode step, so the prefill needs no LM head.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_PEDANTIC = 68, 69
+CUBLAS_GEMM_DEFAULT = -1
+OP_N, OP_T = 0, 1
+DT_CODE = {"BF16": CUDA_R_16BF, "F16": CUDA_R_16F, "F32": CUDA_R_32F}
+
+
+class Prefill:
+    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048):
+        import cupy as cp
+        self.cfg, self.dw, self.k = cfg, dw, kernels
+        self.max_chunk = max_chunk
+        self.cp = cp
+        self._alpha = np.ones(1, np.float32)
+        self._beta = np.zeros(1, np.float32)
+        self._bufs = {}
+        self.wdt = DT_CODE[dw.dtype]
+        self.compute = CUBLAS_COMPUTE_32F_PEDANTIC if dw.dtype == "F32" else CUBLAS_COMPUTE_32F
+
+    def _buf(self, name, shape, dtype):
+        cp = self.cp
+        b = self._bufs.get(name)
+        n = int(np.prod(shape))
+        if b is None or b.size < n:
+            b = cp.empty(n, dtype=dtype)
+            self._bufs[name] = b
+        return b[:n].reshape(shape)
+
+    def _gemm(self, W, m, K, X, T, Y):
+        """Per lane Y[l] [T, m] (fp32) = X[l] [T, K] @ W[l]^T, W[l] [m, K] (storage type)."""
+        from cupy_backends.cuda.libs import cublas
+        L = self.cfg.num_lanes
+        h = self.cp.cuda.device.get_cublas_handle()
+        cublas.gemmStridedBatchedEx(
+            h, OP_T, OP_N, m, T, K,
+            self._alpha.ctypes.data, W.data.ptr, self.wdt, K, m * K,
+            X.data.ptr, self.wdt, K, T * K,
+            self._beta.ctypes.data, Y.data.ptr, CUDA_R_32F, m, T * m,
+            L, self.compute, CUBLAS_GEMM_DEFAULT)
+
+    def run(self, ids, pos0: int, kc, vc, max_seq: int) -> None:
+        for s in range(0, len(ids), self.max_chunk):
+            self._chunk(ids[s:s + self.max_chunk], pos0 + s, kc, vc, max_seq)
+
+    def _chunk(self, ids, pos0, kc, vc, max_seq):
+        cp, cfg, dw, fn = self.cp, self.cfg, self.dw, self.k.fn
+        T = len(ids)
+        L, D, N, hd = cfg.num_lanes, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+        hdl, fl = cfg.heads_per_lane * hd, cfg.ffn_per_lane
+        rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
+        delta = cfg.broadcast_delay
+        st = dw.w.dtype
+        ids_d = cp.asarray(np.asarray(ids, dtype=np.int32))
+        X = self._buf("X", (L, T, D), cp.float32)
+        Xn = self._buf("Xn", (L, T, max(D, fl, hdl)), st)
+        Y = self._buf("Y", (L, T, max(rqkv, 2 * fl)), cp.float32)
+        Q = self._buf("Q", (L, T, hdl), cp.float32)
+        parts = self._buf("P", (delta + 1, 2, L, T, D), cp.float32)
+        grid = lambda n: (int(max(1, min(65535, (n + 255) // 256))),)
+        fn["pf_embed"](grid(T * D), (256,), (dw.emb, ids_d, np.int32(T), X))
+        for i in range(N):
+            r = dw.regions(i)
+            # attention
+            xn = Xn.reshape(-1)[:L * T * D]
+            fn["pf_norm"]((L * T,), (256,), (X, dw.norms[i, 0], xn, np.int32(T)))
+            y = Y.reshape(-1)[:L * T * rqkv]
+            self._gemm(r["qkv"], rqkv, D, xn, T, y)
+            fn["pf_rope"](grid(L * T * rqkv // 2), (256,), (y, np.int32(T), np.int32(pos0), np.int32(i), Q, kc, vc,
+                                                          np.int64(max_seq)))
+            o = Xn.reshape(-1)[:L * T * hdl]
+            nw = T * cfg.num_attention_heads
+            fn["pf_attn"](((nw + 7) // 8,), (256,), (Q, kc, vc, np.int32(T), np.int32(pos0), np.int32(i),
+                                                     np.int64(max_seq), o))
+            self._combine_kind(i, 0, r["wo"], D, hdl, o, T, parts, X)
+            # mlp
+            fn["pf_norm"]((L * T,), (256,), (X, dw.norms[i, 1], xn, np.int32(T)))
+            y = Y.reshape(-1)[:L * T * 2 * fl]
+            self._gemm(r["w13"], 2 * fl, D, xn, T, y)
+            hb = Xn.reshape(-1)[:L * T * fl]
+            fn["pf_silu"](grid(L * T * fl), (256,), (y, hb, np.int64(L * T * fl)))
+            self._combine_kind(i, 1, r["w2"], D, fl, hb, T, parts, X)
+
+    def _combine_kind(self, i, kind, W, m, K, inp, T, parts, X):
+        cfg, fn = self.cfg, self.k.fn
+        delta = cfg.broadcast_delay
+        P = parts[i % (delta + 1), kind]
+        self._gemm(W, m, K, inp, T, P)
+        old = None
+        j = i - delta
+        if cfg.use_comm and j >= 0 and (j >= delta or cfg.early_layers_to_future):
+            old = parts[j % (delta + 1), kind]
+        n = T * cfg.hidden_size
+        grid = (int(max(1, min(65535, (n + 255) // 256))),)
+        fn["pf_combine"](grid, (256,), (X, P, old if old is not None else np.uint64(0), np.int32(i), np.int32(T)))

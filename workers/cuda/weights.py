@@ -1,0 +1,171 @@
+"""Weights on the GPU in the layout the monokernel streams (workers/cuda/README.md describes it).
+
+Per layer, one contiguous block of the storage type (bf16, fp16 or fp32), lane-major inside:
+  QKV  [L][RQKV][D]   rows of wq[l], wk[l], wv[l] one after another (RQKV = (H+2KV)/L * hd)
+  WO   [L][D][H/L*hd] wo[l] as stored
+  W13  [L][F/L][2][D] w1[l] row j then w3[l] row j (gate, up), so one warp reads both
+  W2   [L][D][F/L]    w2[l] as stored
+Layers follow one another in one allocation, so each phase's rows of a block are one contiguous range
+(what the L2 prefetch asks for). Norm scales are fp32 [NL][2][L][D] (broadcast when replicated), the
+final norm fp32 [L][D]; embedding and LM head [V][D] in the storage type (one buffer when tied).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+STORAGE_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def layer_elems(cfg) -> int:
+    L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
+    rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
+    hdl, fl = cfg.heads_per_lane * hd, cfg.ffn_per_lane
+    return L * rqkv * D + L * D * hdl + L * fl * 2 * D + L * D * fl
+
+
+def streamed_bytes(cfg, dtype: str) -> int:
+    """Weight bytes read per decoded token: every layer and the LM head (not the embedding table)."""
+    isz = 4 if dtype == "F32" else 2
+    return (layer_elems(cfg) * cfg.num_hidden_layers + cfg.vocab_size * cfg.hidden_size) * isz
+
+
+def _to_storage(arr: np.ndarray, dt: str, target: str) -> np.ndarray:
+    from kog_dist.checkpoint import bf16_bits, to_float32
+    if dt == target:
+        return arr
+    f = to_float32(arr, dt)
+    if target == "BF16":
+        return bf16_bits(f)
+    return f.astype(STORAGE_NP[target])
+
+
+class DeviceWeights:
+    def __init__(self, cfg, dtype: str):
+        import cupy as cp
+        self.cfg, self.dtype = cfg, dtype
+        D, L, N, V = cfg.hidden_size, cfg.num_lanes, cfg.num_hidden_layers, cfg.vocab_size
+        st = STORAGE_NP[dtype]
+        self.layer_elems = layer_elems(cfg)
+        self.w = cp.empty(N * self.layer_elems, dtype=st)
+        self.norms = cp.empty((N, 2, L, D), dtype=cp.float32)
+        self.fnorm = cp.empty((L, D), dtype=cp.float32)
+        self.emb = cp.empty((V, D), dtype=st)
+        self.lm = self.emb if cfg.tie_word_embeddings else cp.empty((V, D), dtype=st)
+
+    # views of one layer's regions (elements of the storage type)
+    def regions(self, i: int):
+        cfg = self.cfg
+        L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
+        rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
+        hdl, fl = cfg.heads_per_lane * hd, cfg.ffn_per_lane
+        base = i * self.layer_elems
+        sizes = [("qkv", (L, rqkv, D)), ("wo", (L, D, hdl)), ("w13", (L, fl, 2, D)), ("w2", (L, D, fl))]
+        out, off = {}, base
+        for name, shape in sizes:
+            n = int(np.prod(shape))
+            out[name] = self.w[off:off + n].reshape(shape)
+            off += n
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        n = self.w.nbytes + self.norms.nbytes + self.fnorm.nbytes + self.emb.nbytes
+        return n + (0 if self.lm is self.emb else self.lm.nbytes)
+
+
+def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress=None) -> DeviceWeights:
+    """Read a checkpoint (all lanes) and upload it in the streaming layout."""
+    import cupy as cp
+    from kog_dist.checkpoint import CheckpointReader
+    from kog_dist.progress import Progress
+    reader = CheckpointReader(model_dir, cfg)
+    cfg = reader.cfg
+    src_dt = reader.dtype("model.layers.0.attention.wq.weight")
+    dtype = dtype or src_dt
+    dw = DeviceWeights(cfg, dtype)
+    N, L, D = cfg.num_hidden_layers, cfg.num_lanes, cfg.hidden_size
+
+    def raw(name):
+        a, dt = reader.raw(name)
+        return _to_storage(a, dt, dtype)
+
+    def norm(prefix):
+        name = prefix + (".weight" if cfg.replicated_rmsn_scale else ".scale")
+        return np.broadcast_to(reader.tensor(name), (L, D))
+
+    total = N + 2
+    if progress is None:
+        progress = dw.nbytes > (256 << 20)
+    with Progress("uploading weights", total, unit=" parts", enabled=progress) as bar:
+        for i in range(N):
+            p = f"model.layers.{i}."
+            r = dw.regions(i)
+            qkv = np.concatenate([raw(p + "attention.wq.weight"), raw(p + "attention.wk.weight"),
+                                  raw(p + "attention.wv.weight")], axis=1)
+            r["qkv"][...] = cp.asarray(qkv)
+            r["wo"][...] = cp.asarray(raw(p + "attention.wo.weight"))
+            r["w13"][...] = cp.asarray(np.stack([raw(p + "feed_forward.w1.weight"),
+                                                 raw(p + "feed_forward.w3.weight")], axis=2))
+            r["w2"][...] = cp.asarray(raw(p + "feed_forward.w2.weight"))
+            dw.norms[i, 0] = cp.asarray(norm(p + "attention_norm"))
+            dw.norms[i, 1] = cp.asarray(norm(p + "ffn_norm"))
+            bar.advance(1)
+        dw.fnorm[...] = cp.asarray(norm("model.norm"))
+        dw.emb[...] = cp.asarray(raw("model.tok_embeddings.weight"))
+        bar.advance(1)
+        if not cfg.tie_word_embeddings:
+            dw.lm[...] = cp.asarray(raw("lm_head.weight"))
+        bar.advance(1)
+    reader.close()
+    cp.cuda.Device().synchronize()
+    return dw
+
+
+def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = None) -> DeviceWeights:
+    """Random weights created on the device (no host copy): N(0, 1/fan_in) matrices, norms 1 + 0.1 N(0,1),
+    embedding N(0, 1). For benchmarks at a published shape with nothing downloaded."""
+    import cupy as cp
+    dw = DeviceWeights(cfg, dtype)
+    rng = cp.random.default_rng(seed)
+    conv = kernels.fn["f32_to_w"]
+
+    def fill(dst, fan_in, scale=1.0):
+        flat = dst.reshape(-1)
+        step = 1 << 26
+        for a in range(0, flat.size, step):
+            n = min(step, flat.size - a)
+            x = rng.standard_normal(n, dtype=cp.float32) * cp.float32(scale / np.sqrt(fan_in))
+            if dtype == "F32":
+                flat[a:a + n] = x
+            else:
+                conv((max(1, min(4096, (n + 255) // 256)),), (256,), (x, flat[a:a + n], cp.int64(n)))
+
+    D, N = cfg.hidden_size, cfg.num_hidden_layers
+    for i in range(N):
+        r = dw.regions(i)
+        fill(r["qkv"], D)
+        fill(r["wo"], cfg.heads_per_lane * cfg.head_dim)
+        fill(r["w13"], D)
+        fill(r["w2"], cfg.ffn_per_lane)
+    dw.norms[...] = 1.0 + 0.1 * rng.standard_normal(dw.norms.shape, dtype=cp.float32)
+    if cfg.replicated_rmsn_scale:
+        dw.norms[...] = dw.norms[:, :, :1, :].copy()
+    dw.fnorm[...] = 1.0 + 0.1 * rng.standard_normal(dw.fnorm.shape, dtype=cp.float32)
+    if cfg.replicated_rmsn_scale:
+        dw.fnorm[...] = dw.fnorm[:1].copy()
+    fill(dw.emb, 1)
+    if dw.lm is not dw.emb:
+        fill(dw.lm, D, 2.0)
+    cp.cuda.Device().synchronize()
+    return dw
+
+
+def to_float32(dw: DeviceWeights, arr, kernels):
+    """A float32 copy of a storage-type device array."""
+    import cupy as cp
+    if dw.dtype == "F32":
+        return arr.astype(cp.float32)
+    out = cp.empty(arr.shape, dtype=cp.float32)
+    n = arr.size
+    kernels.fn["w_to_f32"]((max(1, min(4096, (n + 255) // 256)),), (256,), (arr, out, cp.int64(n)))
+    return out
