@@ -22,6 +22,7 @@ import numpy as np
 
 from . import layout as L
 from .errors import KcclError
+from .channel import Channel, make_meta, read_meta
 from .liveness import PeerWatch
 from .shm import register, unregister
 from .wait import BackoffPolicy, default_policy, wait_until
@@ -44,16 +45,6 @@ class Handle:
         return f"Handle({self.tag!r}, epoch={self.epoch}, shape={self.shape})"
 
 
-class _Channel:
-    __slots__ = ("id", "name", "depth", "send_epoch", "recv_epoch", "collected")
-
-    def __init__(self, cid: int, name: str, depth: int, nranks: int):
-        self.id, self.name, self.depth = cid, name, depth
-        self.send_epoch = 0               # last epoch this rank sent on the channel
-        self.recv_epoch = [0] * nranks    # last epoch received from each source
-        self.collected = 0                # DTP tags: last epoch collected
-
-
 class Communicator:
     """A group of ranks exchanging float32 vectors through peer-mapped shared memory.
 
@@ -69,32 +60,15 @@ class Communicator:
         self.policy = policy
         self.closed = False
         self._segs = segs
-        self._lay = lay
-        self._words = [s.words for s in segs]
+        self._payload_bytes = lay.payload_bytes
         self._peers = [r for r in range(size) if r != rank]
-        self._watch = PeerWatch(rank, self._words, [seg.path for seg in segs])
-        self._channels = [_Channel(c, name, d, size) for c, (name, d) in enumerate(lay.channels)]
+        self._everyone = list(range(size))
+        words = [seg.words for seg in segs]
+        arrays = [np.frombuffer(seg.buf, dtype=np.uint8) for seg in segs]
+        self._channels = [Channel(c, lay, rank, words, arrays) for c in range(len(lay.channels))]
+        self._coll = self._channels[COLL]
         self._by_tag = {ch.name: ch for ch in self._channels[1:]}
-        nch = len(lay.channels)
-        # word index of slot (c, s, i) header and of ack (c, s): the same in every segment
-        self._slot_word = [[[lay.slot_offset(c, s, i) // 8 for i in range(lay.channels[c][1])]
-                            for s in range(size)] for c in range(nch)]
-        self._ack_word = [[lay.ack_offset(c, s) // 8 for s in range(size)] for c in range(nch)]
-        # payload views: payload[d][c][s][i] (uint8) in rank d's segment
-        self._payload = []
-        for seg in segs:
-            arr = np.frombuffer(seg.buf, dtype=np.uint8)
-            per_c = []
-            for c in range(nch):
-                per_s = []
-                for s in range(size):
-                    views = []
-                    for i in range(lay.channels[c][1]):
-                        off = lay.slot_offset(c, s, i) + L.SLOT_HEADER_BYTES
-                        views.append(arr[off:off + lay.payload_bytes])
-                    per_s.append(views)
-                per_c.append(per_s)
-            self._payload.append(per_c)
+        self._watch = PeerWatch(rank, words, [seg.path for seg in segs])
         register(self)
 
     # ---- construction ------------------------------------------------------------------------
@@ -154,15 +128,16 @@ class Communicator:
     def allreduce(self, x, *, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
         """Sum of `x` (float32, any shape, <= max_floats) over all ranks; same bits on every rank."""
         x = self._as_payload(x, np.float32)
-        ch = self._channels[COLL]
-        if self.size > 1:
-            self._send(ch, x, OP_ALLREDUCE, self._peers, timeout)
-            epochs = self._recv_epochs(ch, self._peers)
-            self._wait_slots(ch, epochs, timeout, "allreduce")
-            self._check_meta(ch, epochs, x, OP_ALLREDUCE)
-        result = self._sum(ch, epochs if self.size > 1 else {}, x, out)
-        if self.size > 1:
-            self._ack(ch, epochs)
+        ch = self._coll
+        if self.size == 1:
+            return self._sum(ch, {}, x, out, x.shape)
+        meta = make_meta(x, OP_ALLREDUCE)
+        self._send(ch, x, meta, self._peers, timeout)
+        epochs = ch.next_epochs(self._peers)
+        self._wait_arrivals(ch, epochs, timeout, "allreduce")
+        self._expect_meta(ch, epochs, meta)
+        result = self._sum(ch, epochs, x, out, x.shape)
+        ch.consumed(epochs)
         return result
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None,
@@ -171,26 +146,25 @@ class Communicator:
 
         Non-roots may pass None: shape and dtype travel with the data. idle=True: no deadline unless
         `timeout` is given, no spinning, sleeps up to 5 ms (a rank waiting for the next request).
+        A timeout on a non-root leaves the communicator as it was: the call may be repeated.
         """
         self._check_open()
         if not 0 <= root < self.size:
             raise ValueError(f"root {root} out of range for {self.size} ranks")
-        ch = self._channels[COLL]
+        ch = self._coll
         if self.rank == root:
             x = self._as_payload(x, None)
             if self.size > 1:
-                self._send(ch, x, OP_BROADCAST, self._peers, timeout)
+                self._send(ch, x, make_meta(x, OP_BROADCAST), self._peers, timeout)
             return x.copy()
-        epochs = self._recv_epochs(ch, [root])
-        self._wait_slots(ch, epochs, timeout, f"broadcast from rank {root}", idle)
-        words, w = self._words[self.rank], self._slot_word[COLL][root][epochs[root] % ch.depth]
-        dtype, op, shape, nbytes = self._read_meta(words, w)
-        if op != OP_BROADCAST:
+        epochs = ch.next_epochs([root])
+        self._wait_arrivals(ch, epochs, timeout, f"broadcast from rank {root}", idle)
+        nbytes, dtype, op, shape = read_meta(ch.meta(root, epochs[root]))
+        if op != OP_BROADCAST or dtype is None:
             raise KcclError(self._mismatch(root, op, OP_BROADCAST))
-        payload = self._payload[self.rank][COLL][root][epochs[root] % ch.depth]
         result = np.empty(shape, dtype=dtype)
-        result.reshape(-1).view(np.uint8)[:] = payload[:nbytes]
-        self._ack(ch, epochs)
+        result.reshape(-1).view(np.uint8)[:] = ch.payload(root, epochs[root], nbytes)
+        ch.consumed(epochs)
         return result
 
     def bcast_int64s(self, values=None, root: int = 0, *, timeout: float | None = None,
@@ -205,15 +179,13 @@ class Communicator:
         self._check_open()
         if self.size == 1:
             return
-        ch = self._channels[COLL]
-        self._send(ch, None, OP_BARRIER, self._peers, timeout)
-        epochs = self._recv_epochs(ch, self._peers)
-        self._wait_slots(ch, epochs, timeout, "barrier", idle)
-        for src, e in epochs.items():
-            op = self._words[self.rank][self._slot_word[COLL][src][e % ch.depth] + L.S_DTYPE] >> 8
-            if op != OP_BARRIER:
-                raise KcclError(self._mismatch(src, op, OP_BARRIER))
-        self._ack(ch, epochs)
+        ch = self._coll
+        meta = make_meta(None, OP_BARRIER)
+        self._send(ch, None, meta, self._peers, timeout)
+        epochs = ch.next_epochs(self._peers)
+        self._wait_arrivals(ch, epochs, timeout, "barrier", idle)
+        self._expect_meta(ch, epochs, meta)
+        ch.consumed(epochs)
 
     def post(self, tag: str, x, *, timeout: float | None = None) -> Handle:
         """Send this rank's partial `x` (float32, <= max_floats) for `tag` now; returns at once.
@@ -226,25 +198,26 @@ class Communicator:
             raise KcclError(f"post({tag!r}): {ch.depth} posts are not collected yet; collect the "
                             f"oldest before posting again (raise depth for a longer delay)")
         x = self._as_payload(x, np.float32)
-        epoch = self._send(ch, x, OP_POST, range(self.size), timeout)
+        epoch = self._send(ch, x, make_meta(x, OP_POST), self._everyone, timeout)
         return Handle(tag, ch.id, epoch, x.shape)
 
     def collect(self, handle: Handle, *, out: np.ndarray | None = None,
                 timeout: float | None = None) -> np.ndarray:
-        """Sum over all ranks of the partials posted with `handle`'s epoch (float32, post's shape)."""
+        """Sum over all ranks of the partials posted with `handle`'s epoch (float32, post's shape).
+
+        A timeout leaves the communicator as it was: the call may be repeated.
+        """
         ch = self._tag_channel(handle.tag)
-        if handle.epoch != ch.collected + 1:
+        e = handle.epoch
+        if e != ch.collected + 1:
             raise KcclError(f"collect({handle!r}): expected epoch {ch.collected + 1}; collect a tag's "
                             "handles once each, in the order they were posted")
-        epochs = {s: handle.epoch for s in range(self.size)}
-        self._wait_slots(ch, epochs, timeout, f"{handle.tag!r} epoch {handle.epoch}")
-        mine = self._payload[self.rank][ch.id][self.rank][handle.epoch % ch.depth]
-        n = math.prod(handle.shape)
-        own = mine[:4 * n].view(np.float32).reshape(handle.shape)
-        self._check_meta(ch, epochs, own, OP_POST)
+        epochs = dict.fromkeys(self._everyone, e)
+        self._wait_arrivals(ch, epochs, timeout, f"{handle.tag!r} epoch {e}")
+        self._expect_meta(ch, epochs, ch.meta(self.rank, e))
         result = self._sum(ch, epochs, None, out, handle.shape)
-        self._ack(ch, epochs)
-        ch.collected = handle.epoch
+        ch.ack(epochs)
+        ch.collected = e
         return result
 
     def pending(self, tag: str) -> int:
@@ -266,7 +239,7 @@ class Communicator:
             pass
         if own.linked:
             own.unlink()
-        self._payload = []
+        self._channels, self._coll, self._by_tag = [], None, {}  # drop the views, then unmap
         for seg in self._segs:
             seg.close()
 
@@ -284,83 +257,57 @@ class Communicator:
         if self.closed:
             raise KcclError("communicator is closed")
 
-    def _tag_channel(self, tag: str) -> _Channel:
+    def _tag_channel(self, tag: str) -> Channel:
         self._check_open()
         try:
             return self._by_tag[tag]
         except KeyError:
-            raise KcclError(f"unknown tag {tag!r}; this communicator was created with tags={self.tags}") from None
+            raise KcclError(f"unknown tag {tag!r}; this communicator was created with "
+                            f"tags={self.tags}") from None
 
     def _as_payload(self, x, dtype) -> np.ndarray:
         self._check_open()
         x = np.asarray(x, dtype=dtype, order="C")
         if x.dtype not in L.DTYPE_CODES or x.ndim > L.MAX_NDIM:
-            raise ValueError(f"kccl payloads are {sorted(map(str, L.DTYPE_CODES))} of ndim <= {L.MAX_NDIM}; got {x.dtype} ndim {x.ndim}")
-        if x.nbytes > self._lay.payload_bytes:
-            raise ValueError(f"payload of {x.nbytes} bytes exceeds the slot ({self.max_floats} float32); "
-                             "raise max_floats at create() or split the payload")
+            raise ValueError(f"kccl payloads are {sorted(map(str, L.DTYPE_CODES))} of ndim <= "
+                             f"{L.MAX_NDIM}; got {x.dtype} ndim {x.ndim}")
+        if x.nbytes > self._payload_bytes:
+            raise ValueError(f"payload of {x.nbytes} bytes exceeds the slot ({self.max_floats} "
+                             "float32); raise max_floats at create() or split the payload")
         return x
 
-    def _send(self, ch: _Channel, x, op: int, dests, timeout) -> int:
+    def _send(self, ch: Channel, x, meta, dests, timeout) -> int:
         epoch = ch.send_epoch + 1
-        idx = epoch % ch.depth
-        me = self.rank
         self._wait_acks(ch, dests, epoch - ch.depth, timeout)
-        words = self._words
-        w = self._slot_word[ch.id][me][idx]
-        if x is None:
-            nbytes, code, shape = 0, 0, ()
-        else:
-            nbytes, code, shape = x.nbytes, L.DTYPE_CODES[x.dtype], x.shape
-            flat = x.reshape(-1).view(np.uint8)
-        for d in dests:
-            wd = words[d]
-            if nbytes:
-                self._payload[d][ch.id][me][idx][:nbytes] = flat
-            wd[w + L.S_NBYTES] = nbytes
-            wd[w + L.S_DTYPE] = code | (op << 8)
-            wd[w + L.S_NDIM] = len(shape)
-            for k, extent in enumerate(shape):
-                wd[w + L.S_SHAPE + k] = extent
-            wd[w + L.S_EPOCH] = epoch  # publish: the last store
+        ch.write(dests, epoch, None if x is None else x.reshape(-1).view(np.uint8), meta)
         ch.send_epoch = epoch
         return epoch
 
-    def _wait_acks(self, ch: _Channel, dests, need: int, timeout) -> None:
+    def _wait_acks(self, ch: Channel, dests, need: int, timeout) -> None:
         """Wait until every peer in `dests` consumed epoch `need` from this rank on `ch`."""
-        me = self.rank
-        ackw = self._ack_word[ch.id][me]
-        words = self._words
-        late = [d for d in dests if d != me and words[d][ackw] < need]
+        if need <= 0:
+            return
+        late = [d for d in dests if d != self.rank and ch.acked_by(d) < need]
         if late:
-            self._wait(lambda: all(words[d][ackw] >= need for d in late), timeout,
-                       lambda: f"ranks {late} to consume {ch.name!r} epoch {need} of rank {me}")
+            self._wait(lambda: all(ch.acked_by(d) >= need for d in late), timeout,
+                       lambda: f"ranks {late} to consume {ch.name!r} epoch {need} of rank {self.rank}")
 
-    def _recv_epochs(self, ch: _Channel, srcs) -> dict:
-        epochs = {}
-        for s in srcs:
-            ch.recv_epoch[s] += 1
-            epochs[s] = ch.recv_epoch[s]
-        return epochs
-
-    def _wait_slots(self, ch: _Channel, epochs: dict, timeout, what: str, idle: bool = False) -> None:
-        words = self._words[self.rank]
-        table = self._slot_word[ch.id]
-        waits = [(table[s][e % ch.depth], e, s) for s, e in epochs.items()]
-
+    def _wait_arrivals(self, ch: Channel, epochs: dict, timeout, what: str, idle=False) -> None:
+        """Wait until every source's slot holds the expected epoch."""
         def ready() -> bool:
-            for w, e, s in waits:
-                got = words[w]
+            for s, e in epochs.items():
+                got = ch.arrived(s, e)
                 if got != e:
                     if got > e:
-                        raise KcclError(f"rank {self.rank}: {ch.name!r} slot of rank {s} holds epoch "
-                                        f"{got} while epoch {e} was expected (slot reused too early)")
+                        raise KcclError(f"rank {self.rank}: {ch.name!r} slot of rank {s} holds "
+                                        f"epoch {got} while epoch {e} was expected (slot reused "
+                                        "too early)")
                     return False
             return True
 
         if not ready():
             def describe():
-                missing = [s for w, e, s in waits if words[w] != e]
+                missing = [s for s, e in epochs.items() if ch.arrived(s, e) != e]
                 return f"{what} from ranks {missing} (rank {self.rank})"
             self._wait(ready, timeout, describe, idle)
 
@@ -370,48 +317,37 @@ class Communicator:
             timeout = math.inf if idle else self.timeout
         wait_until(ready, policy, timeout, self._watch.check, describe)
 
-    def _read_meta(self, words, w):
-        code = words[w + L.S_DTYPE]
-        ndim = words[w + L.S_NDIM]
-        shape = tuple(words[w + L.S_SHAPE + k] for k in range(ndim))
-        return L.CODE_DTYPES.get(code & 0xFF), code >> 8, shape, words[w + L.S_NBYTES]
-
     def _mismatch(self, src: int, got_op: int, want_op: int) -> str:
         return (f"rank {self.rank} is in {OP_NAMES.get(want_op)} but rank {src} sent "
                 f"{OP_NAMES.get(got_op, got_op)}: the ranks called kccl ops in different orders")
 
-    def _check_meta(self, ch: _Channel, epochs: dict, x: np.ndarray, op: int) -> None:
-        words = self._words[self.rank]
+    def _expect_meta(self, ch: Channel, epochs: dict, meta) -> None:
+        """Every source sent the same op, dtype and shape as `meta` describes."""
         for s, e in epochs.items():
-            dtype, got_op, shape, _ = self._read_meta(words, self._slot_word[ch.id][s][e % ch.depth])
-            if got_op != op:
-                raise KcclError(self._mismatch(s, got_op, op))
-            if shape != x.shape or dtype != x.dtype:
-                raise KcclError(f"{OP_NAMES[op]} on {ch.name!r}: rank {s} sent {dtype}{list(shape)}, "
-                                f"rank {self.rank} has {x.dtype}{list(x.shape)}")
+            got = ch.meta(s, e)
+            if got != meta:
+                _, dtype, op, shape = read_meta(got)
+                _, my_dtype, my_op, my_shape = read_meta(meta)
+                if op != my_op:
+                    raise KcclError(self._mismatch(s, op, my_op))
+                raise KcclError(f"{OP_NAMES[my_op]} on {ch.name!r}: rank {s} sent {dtype}"
+                                f"{list(shape)}, rank {self.rank} has {my_dtype}{list(my_shape)}")
 
-    def _sum(self, ch: _Channel, epochs: dict, own, out, shape=None) -> np.ndarray:
-        shape = own.shape if own is not None else shape
+    def _sum(self, ch: Channel, epochs: dict, own, out, shape) -> np.ndarray:
+        """float32 sum in rank order; `own` (or None: this rank's slot) stands for this rank."""
         n = math.prod(shape)
         if out is None:
             out = np.empty(shape, dtype=np.float32)
         elif out.shape != tuple(shape) or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous float32 array of shape {tuple(shape)}")
         flat = out.reshape(-1)
-        mine = self._payload[self.rank][ch.id]
-        for s in range(self.size):
+        for s in self._everyone:
             if s == self.rank and own is not None:
                 part = own.reshape(-1)
             else:
-                part = mine[s][epochs[s] % ch.depth][:4 * n].view(np.float32)
+                part = ch.floats(s, epochs[s], n)
             if s == 0:
                 np.copyto(flat, part)
             else:
                 np.add(flat, part, out=flat)
         return out
-
-    def _ack(self, ch: _Channel, epochs: dict) -> None:
-        words = self._words[self.rank]
-        table = self._ack_word[ch.id]
-        for s, e in epochs.items():
-            words[table[s]] = e

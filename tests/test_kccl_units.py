@@ -43,7 +43,7 @@ def test_slot_is_free_exactly_when_previous_tenant_was_acked(depth):
 
 def test_epochs_are_uint64_and_never_wrap_in_practice():
     group = Communicator.create_local_group(1, max_floats=4)
-    words = group[0]._words[0]
+    words = group[0]._coll.own
     words[0] = 2**64 - 1
     assert words[0] == 2**64 - 1  # a full 8-byte word: 1e9 epochs/s would take 584 years to wrap
     group[0].close()
@@ -178,8 +178,9 @@ def test_collect_times_out_naming_the_missing_ranks(group):
 
 def test_a_slot_overwritten_too_early_is_detected(group):
     hs = post_all(group, "attn", [1, 1, 1])
-    slot = group[0]._slot_word[1][1][hs[0].epoch % 2]
-    group[0]._words[0][slot + L.S_EPOCH] = hs[0].epoch + 2  # as if rank 1 had skipped the ack wait
+    attn = group[0]._by_tag["attn"]
+    slot = attn.slot_word[1][hs[0].epoch % 2]
+    attn.own[slot + L.S_EPOCH] = hs[0].epoch + 2  # as if rank 1 had skipped the ack wait
     with pytest.raises(KcclError, match="reused too early"):
         group[0].collect(hs[0])
 
