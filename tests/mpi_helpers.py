@@ -51,6 +51,15 @@ class MpiResult:
         return sorted(int(m) for m in re.findall(rf"{re.escape(word)} (\d+)", self.stdout))
 
 
+def have_mpiexec() -> bool:
+    """True when an mpiexec can be found (tests marked mpi skip otherwise)."""
+    try:
+        find_mpiexec()
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def mpi_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -16,9 +16,10 @@ import uuid
 
 import pytest
 
-from mpi_helpers import run_mpi, run_plain
+from mpi_helpers import have_mpiexec, run_mpi, run_plain
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(not have_mpiexec(), reason="no mpiexec (pip install mpich)")]
 
 SHM_DIR = "/dev/shm"
 

@@ -7,14 +7,18 @@ rounds are few.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
 
-from mpi_helpers import run_mpi
+from mpi_helpers import REPO_ROOT, have_mpiexec, mpi_env, run_mpi
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(not have_mpiexec(), reason="no mpiexec (pip install mpich)")]
 
 SHM_DIR = "/dev/shm"
 
@@ -124,3 +128,20 @@ def test_collectives_match_numpy(n, prefix):
     assert res.returncode == 0, res.output
     assert res.marks("OK") == list(range(n)), res.output
     assert leftovers(prefix) == []
+
+
+def test_bench_relaunches_under_mpiexec_and_reports_json():
+    res = subprocess.run([sys.executable, "-m", "kccl.bench", "--transport", "shm", "-n", "2",
+                          "--iters", "50", "--warmup", "5", "--json"], capture_output=True,
+                         text=True, timeout=120, env=mpi_env(), cwd=REPO_ROOT)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["nranks"] == 2 and report["floats"] == 3072
+    for op in ("allreduce", "post", "collect", "pair", "barrier"):
+        assert 0 < report["results"][op]["p50_us"] <= report["results"][op]["p99_us"]
+
+
+def test_bench_refuses_cuda_ipc_with_exit_2():
+    res = subprocess.run([sys.executable, "-m", "kccl.bench", "--transport", "cuda_ipc", "-n", "2"],
+                         capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO_ROOT)
+    assert res.returncode == 2 and "not built yet" in res.stderr

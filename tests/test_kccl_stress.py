@@ -15,9 +15,10 @@ import uuid
 
 import pytest
 
-from mpi_helpers import run_mpi
+from mpi_helpers import have_mpiexec, run_mpi
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(not have_mpiexec(), reason="no mpiexec (pip install mpich)")]
 
 STRESS = r'''
 import os, sys, time, random
