@@ -247,3 +247,18 @@ def test_argument_checks():
     g[0].close()  # idempotent
     with pytest.raises(KcclError, match="closed"):
         g[0].allreduce(np.ones(2))
+
+
+def test_timeouts_in_collect_and_broadcast_can_be_retried(group):
+    a, b, c = group
+    ha = a.post("attn", np.full(4, 1.0))
+    with pytest.raises(KcclTimeout):
+        a.collect(ha, timeout=0.05)
+    hb, hc = b.post("attn", np.full(4, 2.0)), c.post("attn", np.full(4, 4.0))
+    assert np.array_equal(a.collect(ha), np.full(4, 7.0, np.float32))
+    with pytest.raises(KcclTimeout):
+        b.broadcast(None, root=0, timeout=0.05)
+    a.broadcast(np.arange(3), root=0)
+    assert b.broadcast(None, root=0).tolist() == [0, 1, 2]
+    assert c.broadcast(None, root=0).tolist() == [0, 1, 2]
+    assert b.collect(hb)[0] == 7.0 and c.collect(hc)[0] == 7.0
