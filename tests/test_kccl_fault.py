@@ -138,3 +138,22 @@ def test_sigterm_handler_unlinks_and_still_terminates(prefix):
     res = run_mpi(1, code=SIGTERM_RANK, timeout=60, env={"KCCL_SHM_PREFIX": prefix})
     assert "HAVE 1" in res.stdout and "NOT-REACHED" not in res.stdout, res.output
     assert res.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM, signal.SIGTERM), res.output
+
+
+KEEP_NAMES = r'''
+import os
+from mpi4py import MPI
+from kccl import Communicator
+
+comm = Communicator.create(MPI.COMM_WORLD, max_floats=16, unlink_after_attach=False)
+comm.barrier()
+mine = [e for e in os.listdir("/dev/shm") if e.startswith(os.environ["KCCL_SHM_PREFIX"])]
+print(f"HAVE {len(mine)} {comm.rank}", flush=True)
+comm.barrier()
+# no close(): the atexit hook must unlink
+'''
+
+
+def test_names_kept_while_running_are_unlinked_at_exit(prefix):
+    res = run_mpi(2, code=KEEP_NAMES, timeout=60, env={"KCCL_SHM_PREFIX": prefix})
+    assert res.returncode == 0 and res.marks("HAVE 2") == [0, 1], res.output
