@@ -101,6 +101,18 @@ def measure(backend, args, log=_say) -> dict:
         log(f"{key}: {med:.1f} tokens/s ({1e3 / med:.3f} ms/token), runs {[round(x, 1) for x in tps]}")
 
     decode_row(args.prompt, args.gen, "tg")
+    if args.profile:
+        from workers.cuda.bench_kernel import format_breakdown, phase_breakdown, streamed_by_kind
+        prompt = _ids(rng, args.prompt, V)
+        bds = []
+        for k in (8, 200, 400):
+            backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=min(args.gen, k + 2),
+                                   sampling=greedy), ignore_eos=True, timing_token=k)
+            bds.append(phase_breakdown(backend.last_timing, cfg.num_hidden_layers))
+        out["phases"] = bds
+        sb = streamed_by_kind(cfg, 4 if backend.dw.dtype == "F32" else 2)
+        for k, bd in zip((8, 200, 400), bds):
+            log(f"phase breakdown of decode step {k} (context {args.prompt + k}):\n" + format_breakdown(bd, sb))
     if args.ctx and args.ctx <= backend.max_seq:
         decode_row(args.ctx - args.ctx_gen, args.ctx_gen, "tg_ctx")
     return out
@@ -125,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", type=int, default=65536, help="L2 prefetch bytes per block and phase")
     ap.add_argument("--nblocks", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     try:

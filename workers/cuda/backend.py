@@ -115,7 +115,12 @@ class CudaBackend(Backend):
         return 2 * cfg.num_hidden_layers * cfg.kv_heads * self.max_seq * cfg.head_dim * self.dw.w.itemsize
 
     # -- one request ---------------------------------------------------------------------------------
-    def run(self, cmd: RunCommand, on_token=None, *, ignore_eos: bool = False, dbg_logits=None) -> RunResult:
+    def run(self, cmd: RunCommand, on_token=None, *, ignore_eos: bool = False, dbg_logits=None,
+            timing_token: int | None = None) -> RunResult:
+        """Backend.run; ignore_eos (benchmarks), dbg_logits (a [max_new, V] float32 device array that
+        receives every step's logits) and timing_token (record per-phase clock marks of that decode step
+        into self.last_timing, [5N+2, blocks, 3] ns) are for tests and benchmarks."""
+        self._timing_token = timing_token
         cp, cfg = self.cp, self.cfg
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
         clock = Clock()
@@ -151,6 +156,23 @@ class CudaBackend(Backend):
         return res
 
     hang_s = 20.0
+    cooperative = None
+
+    def _launch(self):
+        """cuLaunchCooperativeKernel: the driver refuses the launch unless every block is resident."""
+        cp = self.cp
+        try:
+            fptr = self.k.mono.kernel.ptr
+            launch = cp.cuda.driver.launchCooperativeKernel
+        except AttributeError:     # an older CuPy: a plain launch (132 blocks on 132 idle SMs)
+            self.cooperative = False
+            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes)
+            return
+        self._argval = ctypes.c_uint64(self.params.data.ptr)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._argval))
+        launch(fptr, self.nblocks, 1, 1, 512, 1, 1, self.k.smem_bytes, self.stream.ptr,
+               ctypes.addressof(self._argv))
+        self.cooperative = True
 
     def _hang_report(self, seen):
         """The kernel made no progress: print its counters (read on another stream while it runs) and
@@ -181,6 +203,11 @@ class CudaBackend(Backend):
                 self.ring.ptr, self.status.ptr, self.cancel.ptr]
         h = np.zeros(N_PARAMS, np.uint64)
         h[:len(vals)] = vals
+        self._timing = None
+        if getattr(self, "_timing_token", None) is not None:
+            self._timing = self.cp.zeros((5 * self.cfg.num_hidden_layers + 2, self.nblocks, 3), self.cp.uint64)
+            h[55] = self._timing.data.ptr
+            h.view(np.int64)[56] = int(self._timing_token)
         i64 = h.view(np.int64)
         f64 = h.view(np.float64)
         i64[21], i64[22], i64[23], i64[24] = start_pos, first, max_new, self.max_seq
@@ -212,8 +239,7 @@ class CudaBackend(Backend):
             self._params(kc, vc, first, start_pos, max_new, sp, eos, stop, dbg)
             ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
             ev0.record(self.stream)
-            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes,
-                        enable_cooperative_groups=True)
+            self._launch()
             ev1.record(self.stream)
         stop_set, eos_set = set(stop), set(eos)
         toks: list[int] = []
@@ -245,7 +271,7 @@ class CudaBackend(Backend):
                     self.cancel.a[0] = 1          # the kernel stops within one token
                     self.cancel_raised_at = int(status[0])
                 last_progress = time.perf_counter()
-            if reason is not None or ev1.query():
+            if reason is not None or ev1.done:
                 if reason is None:
                     # the kernel ended: drain what it wrote
                     if int(status[0]) > seen:
@@ -255,6 +281,7 @@ class CudaBackend(Backend):
                 self._hang_report(seen)
         ev1.synchronize()
         self.last_kernel_ms = cp.cuda.get_elapsed_time(ev0, ev1)
+        self.last_timing = self._timing.get() if self._timing is not None else None
         if reason is None:
             code = int(status[1])
             if code == 0 or code == 4:

@@ -74,7 +74,20 @@ struct Params {                  // every field 8 bytes; backend.py fills it in 
   long long n_eos;               // 30
   long long stop_ids[16];        // 31..46
   long long eos_ids[8];          // 47..54
+  u64* timing;                   // 55 [5NL+2][NB][3] globaltimer marks of one token, or null
+  long long timing_token;        // 56
 };
+
+__device__ __forceinline__ u64 gtimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+// phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done)
+__device__ __forceinline__ void tmark(const Params& p, int n, int ph, int k) {
+  if (p.timing && n == p.timing_token && threadIdx.x == 0)
+    p.timing[((long long)ph * NB + blockIdx.x) * 3 + k] = gtimer();
+}
 
 // ---- helpers -----------------------------------------------------------------------------------
 __device__ __forceinline__ void brange(int U, int& a, int& b) {
@@ -224,6 +237,8 @@ __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl
 // ---- phases ------------------------------------------------------------------------------------
 __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok) {
   int ua, ub;
+  const int ph = 5 * i;
+  tmark(p, n, ph, 0);
   brange(U_QKV, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_QKV;
   prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
@@ -237,6 +252,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
   }
   __syncthreads();
+  tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
     stage_norm(p, sm + (l - l0) * D, s, l, p.norms + ((long long)(i * 2 + 0) * L + l) * D, tok,
                ua <= l * UPL_QKV && l * UPL_QKV < ub, red);
@@ -268,10 +284,13 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     }
   }
   signal_lanes(p, C_QKV, UPL_QKV, ua, ub);
+  tmark(p, n, ph, 2);
 }
 
 __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
   int ua, ub;
+  const int ph = 5 * i + 1;
+  tmark(p, n, ph, 0);
   brange(U_ATT, ua, ub);
   {  // the output projection's weights come next: ask L2 for them now
     int wa, wb;
@@ -299,6 +318,7 @@ __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
       waited = l;
     }
     __syncthreads();
+    if (u == ua) tmark(p, n, ph, 1);
     for (int x = threadIdx.x; x < G * HD; x += NT) sq[x] = ldf(p.q + (long long)g * G * HD + x);
     __syncthreads();
     const int cs = lo + c * CH, ce = min(cs + CH, t + 1);
@@ -357,11 +377,14 @@ __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
     }
     // slots of a warp -> slot 0
 #pragma unroll
-    for (int so = 1; so < S; ++so)
+    for (int h = 0; h < G; ++h)
 #pragma unroll
-      for (int h = 0; h < G; ++h)
+      for (int e = 0; e < VEC; ++e) {
+        float tot = acc[h][e];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[h][e] += __shfl_down_sync(0xffffffffu, acc[h][e], so * VCH);
+        for (int so = 1; so < S; ++so) tot += __shfl_down_sync(0xffffffffu, acc[h][e], so * VCH);
+        acc[h][e] = tot;
+      }
     if (lane < VCH) {
 #pragma unroll
       for (int h = 0; h < G; ++h)
@@ -389,10 +412,13 @@ __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
     }
   }
   signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
+  tmark(p, n, ph, 2);
 }
 
 __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
+  const int ph = 5 * i + 2;
+  tmark(p, n, ph, 0);
   brange(U_WO, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   if (ua >= ub) return;
@@ -402,6 +428,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     wait_delayed(p, C_WO, UPL_WO, n, i);
   }
   __syncthreads();
+  tmark(p, n, ph, 1);
   // attention outputs of the block's lanes, merged over the position chunks
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < HDL; x += NT) {
@@ -429,10 +456,13 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
       if (lane == r) combine_row(p, i, 0, l, r0 + r, acc[r], tok);
   }
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
+  tmark(p, n, ph, 2);
 }
 
 __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
+  const int ph = 5 * i + 3;
+  tmark(p, n, ph, 0);
   brange(U_W13, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
   prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
@@ -446,6 +476,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     else wait_lanes(p, C_WO, 0, L - 1, tgt);
   }
   __syncthreads();
+  tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
     stage_norm(p, sm + (l - l0) * D, s, l, p.norms + ((long long)(i * 2 + 1) * L + l) * D, tok,
                ua <= l * UPL_W13 && l * UPL_W13 < ub, red);
@@ -457,10 +488,13 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
   }
   signal_lanes(p, C_W13, UPL_W13, ua, ub);
+  tmark(p, n, ph, 2);
 }
 
 __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
+  const int ph = 5 * i + 4;
+  tmark(p, n, ph, 0);
   brange(U_W2, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
   prefetch_l2(W + (long long)ua * NR_W2 * FL, (long long)(ub - ua) * NR_W2 * FL * sizeof(wt), PF);
@@ -471,6 +505,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
     wait_delayed(p, C_W2, UPL_W2, n, i);
   }
   __syncthreads();
+  tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + x] = ldf(p.hid + (long long)l * FL + x);
   __syncthreads();
@@ -484,6 +519,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
       if (lane == r) combine_row(p, i, 1, l, r0 + r, acc[r], tok);
   }
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
+  tmark(p, n, ph, 2);
 }
 
 // full sampling (temperature / top-k / top-p) by one block; returns the token in every thread
@@ -581,6 +617,7 @@ __device__ int sample_full(const Params& p, float* sm, u64 counter) {
 // returns false when the generation ends with this token
 __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;
+  tmark(p, n, 5 * NL, 0);
   brange(U_LM, ua, ub);
   prefetch_l2(p.lm + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
@@ -595,6 +632,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   if (ua < ub) {
     if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
+    tmark(p, n, 5 * NL, 1);
     for (int l = 0; l < L; ++l) {
       stage_norm(p, tmp, 2 * NL, l, p.fnorm + (long long)l * D, tok, false, red);
       for (int d = tid; d < D; d += NT) y[d] = (l == 0 ? 0.f : y[d]) + tmp[d];
@@ -618,6 +656,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   }
   if (lane == 0) { bv[warp] = best; bi[warp] = besti; }
   __syncthreads();
+  tmark(p, n, 5 * NL, 2);
   if (tid == 0) {
     for (int w = 0; w < NW; ++w)
       if (bv[w] > best || (bv[w] == best && bi[w] < besti)) { best = bv[w]; besti = bi[w]; }
@@ -691,6 +730,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       int ua, ub;
       brange(U_QKV, ua, ub);
       prefetch_l2(p.w + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+      tmark(p, n, 5 * NL + 1, 0);
       if (threadIdx.x == 0) {
         spin_until(p.ctr + C_TOKEN, (u64)n);
         tok_s = (int)__ldcg(p.ctr + C_TOKVAL);
@@ -699,6 +739,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       __syncthreads();
       if (stop_s) return;
       tok = tok_s;
+      tmark(p, n, 5 * NL + 1, 1);
     }
     for (int i = 0; i < NL; ++i) {
       phase_qkv(p, sm, n, i, t, tok);
