@@ -308,7 +308,8 @@ def parse_args(argv: Sequence[str]):
         description="Start N ranks with the launcher present here (MPICH mpiexec, Open MPI "
                     "mpirun, or srun inside a Slurm allocation).",
         epilog="example: kog launch --np 2 -- kog-worker --model DIR --control tcp://127.0.0.1:5555")
-    p.add_argument("--np", "-n", type=int, required=True, help="number of ranks (one per GPU)")
+    p.add_argument("--np", "-n", type=int, default=None,
+                   help="number of ranks, one per GPU (default inside Slurm: SLURM_NTASKS)")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     p.add_argument("--launcher", default=os.environ.get("KOG_LAUNCHER", "auto"), choices=CHOICES,
                    help="force a launcher; 'mpi': MPICH or Open MPI, never srun (default: auto)")
@@ -325,6 +326,11 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the rank program and its arguments")
     ns = p.parse_args(argv)
     ns.cmd = list(ns.cmd) + cmd
+    if ns.np is None:
+        tasks = os.environ.get("SLURM_NTASKS", "")
+        if not tasks.isdigit():
+            p.error("--np N is required (outside a Slurm allocation)")
+        ns.np = int(tasks)
     return ns
 
 

@@ -287,3 +287,12 @@ def test_kog_launch_subcommand(tmp_path):
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert shlex.split(p.stdout.strip()) == [f"{d}/mpiexec", "-n", "3", "-bind-to", "none"] + WORKER
+
+
+def test_np_defaults_to_the_allocation_inside_slurm(tmp_path):
+    d = fake_bin(tmp_path, srun=SRUN_VERSION)
+    p = kog_launch(["--dry-run", "--"] + WORKER, clean_env(d, SLURM_JOB_ID="5", SLURM_NTASKS="4"))
+    assert p.returncode == 0, p.stderr
+    assert shlex.split(p.stdout)[:4] == [f"{d}/srun", "--mpi=pmi2", "-n", "4"]
+    p = kog_launch(["--dry-run", "--"] + WORKER, clean_env(d))
+    assert p.returncode == 2 and "--np N is required" in p.stderr
