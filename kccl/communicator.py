@@ -17,12 +17,14 @@ Sums are taken in rank order 0..N-1 in float32 on every rank, so every rank gets
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from . import layout as L
 from .errors import KcclError
 from .channel import Channel, make_meta, read_meta
+from .doorbell import Doorbell
 from .liveness import PeerWatch
 from .shm import register, unregister
 from .wait import BackoffPolicy, default_policy, wait_until
@@ -69,6 +71,8 @@ class Communicator:
         self._coll = self._channels[COLL]
         self._by_tag = {ch.name: ch for ch in self._channels[1:]}
         self._watch = PeerWatch(rank, words, [seg.path for seg in segs])
+        self._words = words
+        self._bell = Doorbell.open([os.path.basename(seg.path) for seg in segs], rank)
         register(self)
 
     # ---- construction ------------------------------------------------------------------------
@@ -239,7 +243,10 @@ class Communicator:
             pass
         if own.linked:
             own.unlink()
+        if self._bell is not None:
+            self._bell.close()
         self._channels, self._coll, self._by_tag = [], None, {}  # drop the views, then unmap
+        self._words = self._watch.words = []
         for seg in self._segs:
             seg.close()
 
@@ -281,6 +288,10 @@ class Communicator:
         self._wait_acks(ch, dests, epoch - ch.depth, timeout)
         ch.write(dests, epoch, None if x is None else x.reshape(-1).view(np.uint8), meta)
         ch.send_epoch = epoch
+        if ch is self._coll and self._bell is not None:
+            for d in dests:  # wake peers blocked in an idle wait
+                if d != self.rank and self._words[d][L.H_IDLE]:
+                    self._bell.ring(d)
         return epoch
 
     def _wait_acks(self, ch: Channel, dests, need: int, timeout) -> None:
@@ -312,10 +323,20 @@ class Communicator:
             self._wait(ready, timeout, describe, idle)
 
     def _wait(self, ready, timeout, describe, idle: bool = False) -> None:
-        policy = self.policy.for_idle() if idle else self.policy
         if timeout is None:
             timeout = math.inf if idle else self.timeout
-        wait_until(ready, policy, timeout, self._watch.check, describe)
+        if not idle:
+            wait_until(ready, self.policy, timeout, self._watch.check, describe)
+        elif self._bell is None:
+            wait_until(ready, self.policy.for_idle(5e-3), timeout, self._watch.check, describe)
+        else:
+            own = self._words[self.rank]
+            own[L.H_IDLE] = 1  # senders ring us from now on
+            try:
+                wait_until(ready, self.policy.for_idle(20e-3), timeout, self._watch.check,
+                           describe, sleep=self._bell.wait)
+            finally:
+                own[L.H_IDLE] = 0
 
     def _mismatch(self, src: int, got_op: int, want_op: int) -> str:
         return (f"rank {self.rank} is in {OP_NAMES.get(want_op)} but rank {src} sent "

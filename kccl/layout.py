@@ -29,9 +29,10 @@ MAX_NDIM = 4
 
 # Header words (uint64 index into the segment).
 (H_MAGIC, H_VERSION, H_NRANKS, H_RANK, H_PID, H_STARTTIME, H_STATE, H_LAYOUT_HASH, H_SIZE,
- H_LOST_RANK, H_LOST_REASON) = range(11)
+ H_LOST_RANK, H_LOST_REASON, H_IDLE) = range(12)
 STATE_INIT, STATE_READY, STATE_CLOSED, STATE_ABORTED = 0, 1, 2, 3
 LOST_EXITED, LOST_CLOSED = 1, 2  # H_LOST_REASON of an ABORTED rank
+# H_IDLE: 1 while the rank blocks on its doorbell in an idle wait (ring it after publishing)
 
 # Slot-header words (uint64 index relative to the slot).
 S_EPOCH, S_NBYTES, S_DTYPE, S_NDIM, S_SHAPE = 0, 1, 2, 3, 4

@@ -34,7 +34,7 @@ class BackoffPolicy:
     max_sleep_s: float = 1e-3
     check_interval_s: float = 0.1
 
-    def for_idle(self, max_sleep_s: float = 5e-3) -> "BackoffPolicy":
+    def for_idle(self, max_sleep_s: float = 20e-3) -> "BackoffPolicy":
         """The policy for an idle wait (between requests): no spinning, longer sleeps, ~0 CPU."""
         return replace(self, spin_s=0.0, yield_s=0.0, max_sleep_s=max_sleep_s)
 
@@ -66,11 +66,13 @@ def wait_until(
     timeout_s: float = 30.0,
     check: Callable[[], None] | None = None,
     describe: Callable[[], str] = lambda: "a condition",
+    sleep: Callable[[float], None] = time.sleep,
 ) -> None:
     """Return once `ready()` is true; raise KcclTimeout after `timeout_s` (math.inf: never).
 
     `check()` runs every `policy.check_interval_s` after the spin phase and once more before a
-    timeout is raised, so a dead peer is reported as PeerLost rather than as a timeout.
+    timeout is raised, so a dead peer is reported as PeerLost rather than as a timeout. `sleep`
+    may return early (a doorbell's wait).
     """
     if ready():
         return
@@ -90,7 +92,7 @@ def wait_until(
         if now < yield_end:
             _sched_yield()
         else:
-            time.sleep(sleep_s)
+            sleep(sleep_s)
             sleep_s = min(sleep_s * 2.0, policy.max_sleep_s)
         now = time.monotonic()
         if check is not None and now >= next_check:

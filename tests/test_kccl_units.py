@@ -262,3 +262,41 @@ def test_timeouts_in_collect_and_broadcast_can_be_retried(group):
     assert b.broadcast(None, root=0).tolist() == [0, 1, 2]
     assert c.broadcast(None, root=0).tolist() == [0, 1, 2]
     assert b.collect(hb)[0] == 7.0 and c.collect(hc)[0] == 7.0
+
+
+def test_doorbell_wakes_a_blocked_waiter_early():
+    from kccl.doorbell import Doorbell
+
+    names = [f"kccltest-bell-{os.getpid()}-r{r}" for r in range(2)]
+    bells = [Doorbell.open(names, r) for r in range(2)]
+    if bells[0] is None:
+        pytest.skip("no abstract UNIX sockets here")
+    t0 = time.monotonic()
+    bells[1].wait(0.05)  # nobody rang: the timeout
+    assert time.monotonic() - t0 >= 0.04
+    bells[0].ring(1)
+    bells[0].ring(1)
+    t0 = time.monotonic()
+    bells[1].wait(5.0)   # rung: returns at once, and drains the second ring
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    bells[1].wait(0.05)
+    assert time.monotonic() - t0 >= 0.04
+    for b in bells:
+        b.close()
+
+
+def test_idle_broadcast_is_woken_by_the_root(group):
+    import threading
+
+    a, b, _ = group
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("v", b.broadcast(None, 0, idle=True)))
+    waiter.start()
+    time.sleep(0.2)
+    assert b._words[b.rank][L.H_IDLE] == 1  # blocked on its doorbell
+    t0 = time.monotonic()
+    a.broadcast(np.array([5, 6]), root=0)
+    waiter.join(5.0)
+    assert got["v"].tolist() == [5, 6] and time.monotonic() - t0 < 1.0
+    assert b._words[b.rank][L.H_IDLE] == 0
