@@ -1,4 +1,6 @@
 """The numpy engine against the independent float64 full recompute of tests/reference64.py."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -37,7 +39,7 @@ def make(tmp_path_factory, name):
     v = dict(BASE, **VARIANTS[name])
     dtype, shards = v.pop("_dtype", "F32"), v.pop("_shards", 1)
     d = str(tmp_path_factory.mktemp(name))
-    write_tiny_checkpoint(d, dtype=dtype, shards=shards, seed=hash(name) % 1000, **v)
+    write_tiny_checkpoint(d, dtype=dtype, shards=shards, seed=zlib.crc32(name.encode()) % 1000, **v)
     return d
 
 
@@ -70,8 +72,11 @@ def test_greedy_ids_match_for_32_tokens(tmp_path_factory, name):
     b = CpuBackend(m.cfg, m.weights, m.embed)
     prompt = [1, 17, 42, 99, 7]
     res = b.run(RunCommand(append=prompt, max_new_tokens=32))
-    assert res.token_ids == Ref64(d).greedy(prompt, 32)
-    assert res.cached == len(prompt) + 31
+    want = Ref64(d).greedy(prompt, 32)
+    if m.cfg.eos_token_ids[0] in want:                 # the engine stops at EOS, the reference goes on
+        want = want[:want.index(m.cfg.eos_token_ids[0]) + 1]
+    assert res.token_ids == want
+    assert res.cached == len(prompt) + len(want) - 1
 
 
 def test_sliding_window_changes_the_function(tmp_path_factory):
