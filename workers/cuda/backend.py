@@ -20,6 +20,16 @@ N_PARAMS = 64
 MAX_STOP, MAX_EOS = 16, 8
 
 
+def rope_table(cfg, max_seq: int):
+    """(cos, sin) float32 [max_seq, hd/2] of position * theta^(-2k/hd), computed in float64 as the numpy
+    engine does, so RoPE on the device uses exactly the reference's rounded values."""
+    import cupy as cp
+    from kog_dist.config import rope_inv_freq
+    ang = np.arange(max_seq, dtype=np.float64)[:, None] * rope_inv_freq(cfg)[None, :]
+    t = np.stack([np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)], axis=-1)
+    return cp.asarray(np.ascontiguousarray(t))
+
+
 class _Mapped:
     """Pinned host memory mapped into the device's address space (UVA: same pointer on both sides)."""
 
@@ -65,7 +75,8 @@ class CudaBackend(Backend):
         self.num_slots = num_slots
         self.tokens = [[] for _ in range(num_slots)]
         self.caches = [None] * num_slots
-        self.prefill = Prefill(cfg, weights, self.k, prefill_chunk)
+        self.rope = rope_table(cfg, self.max_seq)
+        self.prefill = Prefill(cfg, weights, self.k, prefill_chunk, self.rope)
         L, D, N, V, H, KV, hd = (cfg.num_lanes, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size,
                                  cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim)
         f32 = cp.float32
@@ -208,6 +219,7 @@ class CudaBackend(Backend):
             self._timing = self.cp.zeros((5 * self.cfg.num_hidden_layers + 2, self.nblocks, 3), self.cp.uint64)
             h[55] = self._timing.data.ptr
             h.view(np.int64)[56] = int(self._timing_token)
+        h[57] = self.rope.data.ptr
         i64 = h.view(np.int64)
         f64 = h.view(np.float64)
         i64[21], i64[22], i64[23], i64[24] = start_pos, first, max_new, self.max_seq

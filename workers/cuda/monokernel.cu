@@ -37,8 +37,9 @@ constexpr int NCTR = 5 * L + 4;
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int SM_STAGE = L * cmax(cmax(D, FL), HDL);
 constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
-constexpr int SM_LM = 2 * D;
-constexpr int SM_FLOATS = cmax(cmax(SM_STAGE, SM_ATT), SM_LM) + 64;
+constexpr int SM_LM = (L + 1) * D;
+constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
+constexpr int SM_FLOATS = cmax(cmax(SM_STAGE + 2 * CB_ROWS, SM_ATT), SM_LM) + 16 * 8 + 16;
 
 struct Params {                  // every field 8 bytes; backend.py fills it in this order
   const wt* w;                   // 0  layer weights [NL][QKV|WO|W13|W2]
@@ -76,6 +77,7 @@ struct Params {                  // every field 8 bytes; backend.py fills it in 
   long long eos_ids[8];          // 47..54
   u64* timing;                   // 55 [5NL+2][NB][3] globaltimer marks of one token, or null
   long long timing_token;        // 56
+  const float2* rope;            // 57 [max_seq][HD/2] (cos, sin) of position * theta^(-2k/HD)
 };
 
 __device__ __forceinline__ u64 gtimer() {
@@ -170,49 +172,107 @@ __device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int 
   for (int j = 1; j < L; ++j) tot += ldf(pp + (long long)j * D);
   return hbase(p, s - 1, l, d, tok) + tot;
 }
-// dst[0..D) = rms(h_l at version s) * g; the writer block also stores a consumer-computed version
-__device__ void stage_norm(const Params& p, float* dst, int s, int l, const float* g, int tok, bool writer,
-                           float* red) {
-  float ss = 0.f;
-  for (int d = threadIdx.x; d < D; d += NT) {
-    float v = hval(p, s, l, d, tok);
-    dst[d] = v;
-    ss += v * v;
-  }
-  ss = block_sum(ss, red);
-  const float inv = 1.0f / sqrtf(ss / (float)D + EPS);
-  const bool wr = writer && !fused_step(s);
-  for (int d = threadIdx.x; d < D; d += NT) {
-    float v = dst[d];
-    if (wr) p.hres[((long long)s * L + l) * D + d] = v;
-    dst[d] = (v * inv) * g[d];
+// dst[k*D + d] = rms(h_{l0+k} at version s) * g[l0+k] for k < nl, all lanes in one pass and one block
+// reduction; the writer lanes (bit k of wmask) also store a consumer-computed version to memory
+constexpr int MAXL = L < 8 ? L : 8;
+constexpr int DPT = (D + NT - 1) / NT;
+__device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, const float* g, int tok,
+                            unsigned wmask, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int kb = 0; kb < nl; kb += MAXL) {
+    __syncthreads();
+#pragma unroll 1
+    for (int k = 0; k < MAXL; ++k) {
+      float ss = 0.f;
+      if (kb + k < nl) {
+        float v[DPT];
+#pragma unroll
+        for (int e = 0; e < DPT; ++e) {
+          const int d = threadIdx.x + e * NT;
+          v[e] = (d < D) ? hval(p, s, l0 + kb + k, d, tok) : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < DPT; ++e) {
+          const int d = threadIdx.x + e * NT;
+          if (d < D) { dst[(kb + k) * D + d] = v[e]; ss += v[e] * v[e]; }
+        }
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) red[warp * MAXL + k] = ss;
+    }
+    __syncthreads();
+    for (int k = 0; k < MAXL && kb + k < nl; ++k) {
+      float tot = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) tot += red[w * MAXL + k];
+      const float inv = 1.0f / sqrtf(tot / (float)D + EPS);
+      const int l = l0 + kb + k;
+      const bool wr = ((wmask >> (kb + k)) & 1u) && !fused_step(s);
+      const float* gl = g + (long long)l * D;
+      float* x = dst + (kb + k) * D;
+      for (int d = threadIdx.x; d < D; d += NT) {
+        const float v = x[d];
+        if (wr) p.hres[((long long)s * L + l) * D + d] = v;
+        x[d] = (v * inv) * gl[d];
+      }
+    }
   }
   __syncthreads();
 }
-// the producer's combine for row r of lane l: partial pv of layer i, kind (0 attention, 1 mlp)
-__device__ __forceinline__ void combine_row(const Params& p, int i, int kind, int l, int r, float pv, int tok) {
+// the writer mask of a consumer phase: lanes whose first unit this block owns
+__device__ __forceinline__ unsigned writer_mask(int l0, int l1, int upl, int ua, int ub) {
+  unsigned m = 0;
+  for (int l = l0; l <= l1 && l - l0 < 32; ++l)
+    if (ua <= l * upl && l * upl < ub) m |= 1u << (l - l0);
+  return m;
+}
+// the producer's combine: the inputs other than this layer's partial (residual base and the delayed
+// lanes' term) are staged in shared memory for all the block's rows before the block waits for its
+// inputs (they are ready earlier), so the rows' epilogue reads only shared memory.
+__device__ __forceinline__ bool has_delayed(int i) {
+  return USE_COMM && L > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE);
+}
+__device__ void stage_combine(const Params& p, float* cb, int i, int kind, int ua, int ub, int nr, int upl, int tok) {
+  const int s = 2 * i + 1 + kind;
+  if (!fused_step(s)) return;
+  const int n = (ub - ua) * nr;
+  for (int x = threadIdx.x; x < n; x += NT) {
+    const int u = ua + x / nr, l = u / upl, r = (u % upl) * nr + x % nr;
+    const float base = hbase(p, s - 1, l, r, tok);
+    float dt = 0.f;
+    if (has_delayed(i)) {
+      const float* pp = p.part + ((long long)((i - DELTA) * 2 + kind) * L) * D + r;
+      float P[L];
+#pragma unroll
+      for (int j = 0; j < L; ++j) P[j] = ldf(pp + (long long)j * D);
+      float tot = P[0], own = P[0];
+#pragma unroll
+      for (int j = 1; j < L; ++j) {
+        tot += P[j];
+        if (j == l) own = P[j];
+      }
+      dt = tot - own;
+    }
+    cb[2 * x] = base;
+    cb[2 * x + 1] = dt;
+  }
+}
+__device__ __forceinline__ void combine_finish(const Params& p, int i, int kind, int l, int r, float pv, const float* c) {
   const int s = 2 * i + 1 + kind;
   p.part[((long long)(i * 2 + kind) * L + l) * D + r] = pv;
   if (!fused_step(s)) return;
-  const float base = hbase(p, s - 1, l, r, tok);
+  const float base = c[0];
   float h;
-  const float sqrtL = sqrtf((float)L);
-  if (!USE_COMM || (i < DELTA)) {
-    h = base + sqrtL * pv;       // (i < DELTA here means: no early comm, or a single lane)
-    if (USE_COMM && L == 1) h = base + pv;
-  } else {
-    float dt = 0.f;
-    const int j0 = i - DELTA;
-    if (j0 >= DELTA || EARLY_FUTURE) {
-      const float* pp = p.part + ((long long)(j0 * 2 + kind) * L) * D + r;
-      float tot = ldf(pp);
-#pragma unroll 1
-      for (int j = 1; j < L; ++j) tot += ldf(pp + (long long)j * D);
-      dt = tot - ldf(pp + (long long)l * D);
-    }
-    h = base + (pv + dt);
-  }
+  if (!USE_COMM || i < DELTA) h = (USE_COMM && L == 1) ? base + pv : base + sqrtf((float)L) * pv;
+  else if (has_delayed(i)) h = base + (pv + c[1]);
+  else h = base + pv;
   p.hres[((long long)s * L + l) * D + r] = h;
+}
+__device__ __forceinline__ float pick(const float* a, int n, int k) {
+  float v = a[0];
+  for (int r = 1; r < n; ++r)
+    if (k == r) v = a[r];
+  return v;
 }
 
 __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl, int a, int b) {
@@ -244,7 +304,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
-  float* red = sm + SM_FLOATS - 64;
+  float* red = sm + SM_FLOATS - 16 * 8 - 16;
   const int s = 2 * i;
   if (threadIdx.x == 0 && s > 0) {
     const u64 tgt = (u64)(n * NL + i) * UPL_W2;    // W2 of layer i-1 done
@@ -253,9 +313,8 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   }
   __syncthreads();
   tmark(p, n, ph, 1);
-  for (int l = l0; l <= l1; ++l)
-    stage_norm(p, sm + (l - l0) * D, s, l, p.norms + ((long long)(i * 2 + 0) * L + l) * D, tok,
-               ua <= l * UPL_QKV && l * UPL_QKV < ub, red);
+  stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
+              writer_mask(l0, l1, UPL_QKV, ua, ub), red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
@@ -267,9 +326,8 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
       const int hh = r / HD, dd = r % HD;
       float x0 = acc[0], x1 = acc[1];
       if (region < 2) {
-        const double inv = pow((double)CFG_THETA, -(double)dd / (double)HD);
-        const double ang = (double)t * inv;
-        const float c = (float)cos(ang), sn = (float)sin(ang);
+        const float2 cs = p.rope[(long long)t * (HD / 2) + dd / 2];
+        const float c = cs.x, sn = cs.y;
         const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
         x0 = y0; x1 = y1;
       }
@@ -423,10 +481,11 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
-  if (threadIdx.x == 0) {
-    wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
-    wait_delayed(p, C_WO, UPL_WO, n, i);
-  }
+  float* cb = sm + SM_STAGE;
+  if (threadIdx.x == 0) wait_delayed(p, C_WO, UPL_WO, n, i);
+  __syncthreads();
+  stage_combine(p, cb, i, 0, ua, ub, NR_WO, UPL_WO, tok);
+  if (threadIdx.x == 0) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
   __syncthreads();
   tmark(p, n, ph, 1);
   // attention outputs of the block's lanes, merged over the position chunks
@@ -451,9 +510,8 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
     float acc[NR_WO];
     warp_dot<NR_WO, HDL>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
-#pragma unroll
-    for (int r = 0; r < NR_WO; ++r)
-      if (lane == r) combine_row(p, i, 0, l, r0 + r, acc[r], tok);
+    if (lane < NR_WO)
+      combine_finish(p, i, 0, l, r0 + lane, pick(acc, NR_WO, lane), cb + 2 * ((u - ua) * NR_WO + lane));
   }
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
   tmark(p, n, ph, 2);
@@ -468,7 +526,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
-  float* red = sm + SM_FLOATS - 64;
+  float* red = sm + SM_FLOATS - 16 * 8 - 16;
   const int s = 2 * i + 1;
   if (threadIdx.x == 0) {
     const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
@@ -477,9 +535,8 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   }
   __syncthreads();
   tmark(p, n, ph, 1);
-  for (int l = l0; l <= l1; ++l)
-    stage_norm(p, sm + (l - l0) * D, s, l, p.norms + ((long long)(i * 2 + 1) * L + l) * D, tok,
-               ua <= l * UPL_W13 && l * UPL_W13 < ub, red);
+  stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
+              writer_mask(l0, l1, UPL_W13, ua, ub), red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
@@ -500,10 +557,11 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   prefetch_l2(W + (long long)ua * NR_W2 * FL, (long long)(ub - ua) * NR_W2 * FL * sizeof(wt), PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
-  if (threadIdx.x == 0) {
-    wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
-    wait_delayed(p, C_W2, UPL_W2, n, i);
-  }
+  float* cb = sm + SM_STAGE;
+  if (threadIdx.x == 0) wait_delayed(p, C_W2, UPL_W2, n, i);
+  __syncthreads();
+  stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
+  if (threadIdx.x == 0) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   __syncthreads();
   tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
@@ -514,16 +572,15 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
     const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
     float acc[NR_W2];
     warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
-#pragma unroll
-    for (int r = 0; r < NR_W2; ++r)
-      if (lane == r) combine_row(p, i, 1, l, r0 + r, acc[r], tok);
+    if (lane < NR_W2)
+      combine_finish(p, i, 1, l, r0 + lane, pick(acc, NR_W2, lane), cb + 2 * ((u - ua) * NR_W2 + lane));
   }
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
   tmark(p, n, ph, 2);
 }
 
 // full sampling (temperature / top-k / top-p) by one block; returns the token in every thread
-__device__ int sample_full(const Params& p, float* sm, u64 counter) {
+__device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter) {
   double* dred = reinterpret_cast<double*>(sm);    // [NW + 4]
   int* ired = reinterpret_cast<int*>(sm + 2 * (NW + 8));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -623,7 +680,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   float* y = sm;
   float* tmp = sm + D;
-  float* red = sm + SM_FLOATS - 64;
+  float* red = sm + SM_FLOATS - 16 * 8 - 16;
   __shared__ float bv[NW];
   __shared__ int bi[NW];
   __shared__ int last;
@@ -633,11 +690,12 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
     tmark(p, n, 5 * NL, 1);
-    for (int l = 0; l < L; ++l) {
-      stage_norm(p, tmp, 2 * NL, l, p.fnorm + (long long)l * D, tok, false, red);
-      for (int d = tid; d < D; d += NT) y[d] = (l == 0 ? 0.f : y[d]) + tmp[d];
+    stage_norms(p, tmp, 2 * NL, 0, L, p.fnorm, tok, 0u, red);
+    for (int d = tid; d < D; d += NT) {
+      float a = tmp[d];
+      for (int l = 1; l < L; ++l) a += tmp[l * D + d];
+      y[d] = a / (float)L;
     }
-    for (int d = tid; d < D; d += NT) y[d] = y[d] / (float)L;
     __syncthreads();
     for (int u = ua + warp; u < ub; u += NW) {
       const int r0 = 2 * u;

@@ -32,7 +32,7 @@ extern "C" __global__ void pf_norm(const float* __restrict__ X, const float* __r
 
 // Y [L][T][RQKV] -> rotated q [L][T][HDL] fp32, rotated k and v into the cache at pos0 + t
 extern "C" __global__ void pf_rope(const float* __restrict__ Y, int T, int pos0, int layer, float* Q, wt* kc, wt* vc,
-                                   long long max_seq) {
+                                   long long max_seq, const float2* __restrict__ rope) {
   const long long n = (long long)L * T * (RQKV / 2);
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
     const int pr = (int)(x % (RQKV / 2));
@@ -45,9 +45,8 @@ extern "C" __global__ void pf_rope(const float* __restrict__ Y, int T, int pos0,
     const int hh = r / HD, dd = r % HD;
     const int pos = pos0 + t;
     if (region < 2) {
-      const double inv = pow((double)CFG_THETA, -(double)dd / (double)HD);
-      const double ang = (double)pos * inv;
-      const float c = (float)cos(ang), sn = (float)sin(ang);
+      const float2 cs = rope[(long long)pos * (HD / 2) + dd / 2];
+      const float c = cs.x, sn = cs.y;
       const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
       x0 = y0; x1 = y1;
     }

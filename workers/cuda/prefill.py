@@ -17,10 +17,11 @@ DT_CODE = {"BF16": CUDA_R_16BF, "F16": CUDA_R_16F, "F32": CUDA_R_32F}
 
 
 class Prefill:
-    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048):
+    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None):
         import cupy as cp
         self.cfg, self.dw, self.k = cfg, dw, kernels
         self.max_chunk = max_chunk
+        self.rope = rope
         self.cp = cp
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
@@ -77,7 +78,7 @@ class Prefill:
             y = Y.reshape(-1)[:L * T * rqkv]
             self._gemm(r["qkv"], rqkv, D, xn, T, y)
             fn["pf_rope"](grid(L * T * rqkv // 2), (256,), (y, np.int32(T), np.int32(pos0), np.int32(i), Q, kc, vc,
-                                                          np.int64(max_seq)))
+                                                          np.int64(max_seq), self.rope))
             o = Xn.reshape(-1)[:L * T * hdl]
             nw = T * cfg.num_attention_heads
             fn["pf_attn"](((nw + 7) // 8,), (256,), (Q, kc, vc, np.int32(T), np.int32(pos0), np.int32(i),
