@@ -44,6 +44,10 @@ class ClientTimeout(TimeoutError):
     pass
 
 
+class ServerGone(ConnectionError):
+    """The server closed the connection while a request was in flight (it stopped or crashed)."""
+
+
 @dataclass
 class GenerateResult:
     token_ids: list
@@ -91,6 +95,8 @@ class Client:
         self._keys = (server_key, client_key)
         self._ctx = zmq.Context.instance()
         self._sock = self._connect()
+        # Disconnect events: a server that dies mid-request (a killed job) fails the wait at once
+        self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._ids = itertools.count(1)
         self._open_stream = None
 
@@ -109,6 +115,8 @@ class Client:
         if self._sock is not None:
             if self._open_stream is not None:
                 self._open_stream.close()
+            self._sock.disable_monitor()
+            self._mon.close(0)
             self._sock.close(0)
             self._sock = None
 
@@ -124,17 +132,27 @@ class Client:
             raise ValueError("the client is closed")
         if self._open_stream is not None:
             self._open_stream.close()
+        while self._mon.poll(0):               # disconnects before this request do not count
+            self._mon.recv_multipart()
         rid = next(self._ids)
         self._sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}))
         return rid
 
     def _recv(self, want_id, sock=None, timeout=None) -> dict:
         """The next message for request `want_id` (older requests' leftovers are skipped)."""
+        mon = self._mon if sock is None else None
         sock = sock or self._sock
         timeout = self.timeout if timeout is None else timeout
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if mon is not None:
+            poller.register(mon, zmq.POLLIN)
         while True:
-            if not sock.poll(int(timeout * 1000)):
+            ready = dict(poller.poll(int(timeout * 1000)))
+            if not ready:
                 raise ClientTimeout(f"no answer from {self.endpoint} within {timeout:g} s")
+            if sock not in ready:              # only a disconnect, and nothing left to read
+                raise ServerGone(f"the server at {self.endpoint} closed the connection (it stopped or crashed)")
             msg = P.unpackb(sock.recv(), P.MAX_REPLY_BYTES)
             if msg.get("id") != want_id:
                 continue
@@ -263,7 +281,7 @@ class Stream:
                     self.client.cancel(rid=self.rid)
                     sent = True
                 self._step()
-        except (ServerError, ClientTimeout):
+        except (ServerError, ClientTimeout, ServerGone):
             self._end()
 
     def __enter__(self):

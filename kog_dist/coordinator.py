@@ -288,7 +288,7 @@ class Coordinator:
                 thread.join(timeout=10)
             for sig, h in old.items():
                 signal.signal(sig, h)
-            self.sock.close(0)
+            self.sock.close(linger=1000)        # flush the last replies (errors, results)
             self.wake_rx.close(0)
             if self.auth is not None:
                 self.auth.stop()

@@ -20,7 +20,8 @@ if REPO_ROOT not in sys.path:
 from kog_dist.coordinator import Coordinator  # noqa: E402
 
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_lanes=4, num_attention_heads=4, num_key_value_heads=4,
-             intermediate_size=128, vocab_size=300, broadcast_delay=1, max_position_embeddings=512)
+             intermediate_size=128, vocab_size=300, broadcast_delay=1, max_position_embeddings=1024,
+             eos_token_id=299)          # a rare EOS: greedy decodes run long (cancel, kill, disconnect)
 
 
 def tiny_model(path: str) -> str:
