@@ -1,0 +1,244 @@
+"""The control plane in front of a real multi-rank job: `mpiexec -n 2 python -m workers --control ...`
+(what kog-worker runs), driven over real sockets and through `kog client`. Ids equal the one-process
+engine's; sessions continue from the ranks' caches; cancel, busy, disconnect; SIGTERM and a killed rank
+end the job as docs/protocol.md says, with no process left behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import zmq
+
+from kog_dist import protocol as P
+from kog_dist.client import BusyError, Client, ServerError, ServerGone
+
+from test_control_helpers import REPO_ROOT, Reference, free_port, tiny_model, wait_until
+
+pytestmark = pytest.mark.mpi
+PROMPT = [1, 17, 42, 99, 7, 250]
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, seed=77)
+
+
+def _children(pid):
+    out = []
+    for q in os.listdir("/proc"):
+        if q.isdigit():
+            try:
+                if int(open(f"/proc/{q}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(q))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Job:
+    """`mpiexec -n N python -m workers --model M --control tcp://127.0.0.1:PORT ...` in its own session."""
+
+    def __init__(self, model, n=2, extra=(), auto_cleanup=True):
+        from mpi_helpers import find_mpiexec, mpi_env
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        cmd = [find_mpiexec(), "-n", str(n)] + ([] if auto_cleanup else ["-disable-auto-cleanup"])
+        cmd += [sys.executable, "-m", "workers", "--model", model, "--control", self.endpoint, "--backend", "cpu",
+                "--bind", "none", *extra]
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.p = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO_ROOT, start_new_session=True, stdout=self.log,
+                                  stderr=subprocess.STDOUT, text=True)
+        with Client(self.endpoint, timeout=0.5) as c:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    c.health()
+                    break
+                except (TimeoutError, ConnectionError):
+                    if self.p.poll() is not None or time.monotonic() > deadline:
+                        self.kill()
+                        pytest.fail(f"the job did not come up:\n{self.output()}")
+        self.ranks = {}
+        todo = [self.p.pid]
+        while todo:
+            for q in _children(todo.pop()):
+                todo.append(q)
+                try:
+                    env = open(f"/proc/{q}/environ", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                rank = [e for e in env if e.startswith(b"PMI_RANK=")]
+                if rank and b"workers" in open(f"/proc/{q}/cmdline", "rb").read():
+                    self.ranks[int(rank[0].split(b"=")[1])] = q
+        assert sorted(self.ranks) == list(range(n)), (self.ranks, self.output())
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait(self, timeout) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not exit within {timeout} s:\n{self.output()}")
+
+    def kill(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait(10)
+        for pid in getattr(self, "ranks", {}).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    def assert_gone(self):
+        assert wait_until(lambda: not any(_alive(p) for p in self.ranks.values()), 10), \
+            f"ranks left behind: {self.ranks}\n{self.output()}"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(str(tmp_path_factory.mktemp("mpi") / "m"))
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    return Reference(model)
+
+
+@pytest.fixture(scope="module")
+def job(model):
+    j = Job(model, 2, ["--slots", "3", "--queue-limit", "1"])
+    yield j
+    try:
+        with Client(j.endpoint, timeout=5) as c:
+            c.shutdown()
+        assert j.wait(30) == 0, j.output()
+        j.assert_gone()
+    finally:
+        j.kill()
+
+
+def test_generate_stream_and_cli_equal_reference(job, ref):
+    with Client(job.endpoint, timeout=30) as c:
+        for sampling in ({}, SAMPLED):
+            want = ref.ids(PROMPT, 20, **sampling)
+            assert c.generate(prompt_ids=PROMPT, max_new_tokens=20, **sampling).token_ids == want
+            st = c.stream(prompt_ids=PROMPT, max_new_tokens=20, **sampling)
+            assert [t for ch in st for t in ch["token_ids"]] == want == st.result.token_ids
+    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "client", "--connect", job.endpoint, "generate",
+                        "--prompt-ids", ",".join(map(str, PROMPT)), "-n", "12", "--temperature", "0.9",
+                        "--top-k", "40", "--top-p", "0.95", "--seed", "77", "--json"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ref.ids(PROMPT, 12, **SAMPLED)
+
+
+def test_session_on_the_ranks(job, ref):
+    a, b = [1, 5, 9, 33, 71], [120, 121, 122]
+    with Client(job.endpoint, timeout=30) as c, c.session() as s:
+        s.append(prompt_ids=a)
+        g1 = s.generate(max_new_tokens=8, **SAMPLED)
+        assert g1.token_ids == ref.ids(a, 8, **SAMPLED)
+        r = s.append(prompt_ids=b)
+        assert r.stats["prefill_tokens"] == 1 + len(b)
+        g2 = s.generate(max_new_tokens=8, **SAMPLED)
+        ctx = a + g1.token_ids + b
+        assert g2.token_ids == ref.ids(ctx, 8, **SAMPLED)
+        assert g2.stats["prefill_tokens"] == 1 and g2.stats["reused_tokens"] == len(ctx) - 1
+
+
+def test_cancel_busy_and_disconnect(job, ref):
+    with Client(job.endpoint, timeout=30) as a, Client(job.endpoint, timeout=30) as b, \
+            Client(job.endpoint, timeout=30) as c:
+        sa = a.stream(prompt_ids=PROMPT, max_new_tokens=900)
+        seen = []
+        for ch in sa:
+            seen += ch["token_ids"]
+            if len(seen) >= 5:
+                break
+        sb = b.stream(prompt_ids=PROMPT, max_new_tokens=4)
+        sb._step()
+        assert sb.position == 1
+        with pytest.raises(BusyError):
+            c.generate(prompt_ids=PROMPT, max_new_tokens=2)
+        n_at_cancel = len(seen) + 0
+        sa.cancel()
+        for ch in sa:
+            seen += ch["token_ids"]
+        assert sa.result.stop_reason == "cancel"
+        assert len(sa.result.token_ids) < n_at_cancel + 60 < 900   # a few tokens at most (2 shared cores)
+        assert sa.result.token_ids == ref.ids(PROMPT, len(sa.result.token_ids))
+        list(sb)
+        assert sb.result.token_ids == ref.ids(PROMPT, 4)
+        # a client that vanishes mid-stream: its decode is cancelled, the job goes on
+        d = zmq.Context.instance().socket(zmq.DEALER)
+        d.connect(job.endpoint)
+        d.send(P.packb({"v": 1, "op": "generate", "prompt_ids": PROMPT, "max_new_tokens": 900, "stream": True}))
+        for _ in range(4):
+            assert d.poll(10000)
+            d.recv()
+        d.close(0)
+        assert wait_until(lambda: c.health()["active"] is None, 5)
+        st = c.stats()
+        assert st["requests"]["disconnected"] >= 1 and st["requests"]["busy"] >= 1
+        assert c.generate(prompt_ids=PROMPT, max_new_tokens=3).token_ids == ref.ids(PROMPT, 3)
+
+
+def _long_decode_and_queued(endpoint):
+    a, b = Client(endpoint, timeout=30), Client(endpoint, timeout=30)
+    sa = a.stream(prompt_ids=PROMPT, max_new_tokens=900)
+    next(sa)
+    sb = b.stream(prompt_ids=PROMPT, max_new_tokens=4)
+    sb._step()
+    return a, b, sa, sb
+
+
+def test_sigterm_during_decode(model):
+    job = Job(model, 2)
+    try:
+        a, b, sa, sb = _long_decode_and_queued(job.endpoint)
+        os.kill(job.p.pid, signal.SIGTERM)                  # what Slurm does, through mpiexec
+        list(sa)
+        assert sa.result.stop_reason == "cancel" and sa.result.extra["cancel_reason"] == "shutdown"
+        with pytest.raises(ServerError) as e:
+            list(sb)
+        assert e.value.code == "shutting_down"
+        a.close(), b.close()
+        assert job.wait(30) == 0, job.output()
+        job.assert_gone()
+    finally:
+        job.kill()
+
+
+@pytest.mark.parametrize("auto_cleanup", [False, True], ids=["survivors-kept", "hydra-cleanup"])
+def test_killed_rank(model, auto_cleanup):
+    """SIGKILL rank 1 mid-decode. When rank 0 survives it (-disable-auto-cleanup) the running and the
+    queued request get backend_failed and the coordinator exits 1; under hydra's default cleanup rank 0
+    is killed too, and the clients learn at once that the server is gone. No rank is left behind."""
+    job = Job(model, 2, auto_cleanup=auto_cleanup)
+    try:
+        a, b, sa, sb = _long_decode_and_queued(job.endpoint)
+        os.kill(job.ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        for s in (sa, sb):
+            with pytest.raises((ServerError, ServerGone)) as e:
+                list(s)
+            if not auto_cleanup:
+                assert e.value.code == "backend_failed" and "rank 1" in e.value.message
+        assert time.monotonic() - t0 < 15
+        a.close(), b.close()
+        assert job.wait(30) != 0
+        job.assert_gone()
+        if not auto_cleanup:
+            assert "the ranks failed" in job.output() and "Traceback" not in job.output()
+    finally:
+        job.kill()
