@@ -31,6 +31,9 @@
 #ifndef CFG_PF
 #define CFG_PF 65536        // bytes of its next weights each block prefetches into L2 before it waits
 #endif
+#ifndef CFG_PF_ATT
+#define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -52,6 +55,7 @@ constexpr int RQKV = HDL + 2 * KVDL;
 constexpr int VEC = 16 / (int)sizeof(wt);
 constexpr int NB = CFG_NB, NT = 512, NW = NT / 32;
 constexpr int PF = CFG_PF;
+constexpr long long PF_ATT = CFG_PF_ATT;
 constexpr float EPS = CFG_EPS;
 static_assert(H % L == 0 && KV % L == 0 && F % L == 0 && H % KV == 0, "lane divisibility");
 static_assert(HD % 2 == 0, "RoPE needs an even head_dim");

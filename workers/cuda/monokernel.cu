@@ -210,10 +210,20 @@ __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, 
       const bool wr = ((wmask >> (kb + k)) & 1u) && !fused_step(s);
       const float* gl = g + (long long)l * D;
       float* x = dst + (kb + k) * D;
-      for (int d = threadIdx.x; d < D; d += NT) {
-        const float v = x[d];
-        if (wr) p.hres[((long long)s * L + l) * D + d] = v;
-        x[d] = (v * inv) * gl[d];
+      float gv[DPT];
+#pragma unroll
+      for (int e = 0; e < DPT; ++e) {
+        const int d = threadIdx.x + e * NT;
+        gv[e] = d < D ? __ldg(gl + d) : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < DPT; ++e) {
+        const int d = threadIdx.x + e * NT;
+        if (d < D) {
+          const float v = x[d];
+          if (wr) p.hres[((long long)s * L + l) * D + d] = v;
+          x[d] = (v * inv) * gv[e];
+        }
       }
     }
   }
@@ -318,15 +328,16 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
+    int r = row, region = 0;
+    if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
+    const int hh = r / HD, dd = r % HD;
+    float2 cs = make_float2(1.f, 0.f);
+    if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
     warp_dot<2, D>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
-      int r = row, region = 0;
-      if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
-      const int hh = r / HD, dd = r % HD;
       float x0 = acc[0], x1 = acc[1];
       if (region < 2) {
-        const float2 cs = p.rope[(long long)t * (HD / 2) + dd / 2];
         const float c = cs.x, sn = cs.y;
         const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
         x0 = y0; x1 = y1;
@@ -345,7 +356,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   tmark(p, n, ph, 2);
 }
 
-__device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
+__device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
   int ua, ub;
   const int ph = 5 * i + 1;
   tmark(p, n, ph, 0);
@@ -354,7 +365,7 @@ __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
     int wa, wb;
     brange(U_WO, wa, wb);
     prefetch_l2(p.w + (long long)i * LAYER_SZ + OFF_WO + (long long)wa * NR_WO * HDL,
-                (long long)(wb - wa) * NR_WO * HDL * sizeof(wt), PF);
+                (long long)(wb - wa) * NR_WO * HDL * sizeof(wt), PF_ATT);
   }
   if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -404,6 +415,15 @@ __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
 #pragma unroll
           for (int h = 0; h < G; ++h) sc[h] += dot16(kv[cc], sq + h * HD + cc * VEC);
       }
+      // this group's V rows: all loads in flight before the softmax reductions
+      constexpr int NKV = (32 + S - 1) / S;
+      uint4 vv[NKV];
+#pragma unroll
+      for (int q = 0; q < NKV; ++q) {
+        const int kk = q * S + slot;
+        if (slot < S && kk < 32 && j0 + kk < ce) vv[q] = ldc16(vb + (long long)(j0 + kk) * HD + ch * VEC);
+        else vv[q] = make_uint4(0u, 0u, 0u, 0u);
+      }
       float pj[G];
 #pragma unroll
       for (int h = 0; h < G; ++h) {
@@ -417,15 +437,14 @@ __device__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
         m[h] = mn;
       }
 #pragma unroll
-      for (int k0 = 0; k0 < 32; k0 += S) {
-        const int kk = k0 + slot;
+      for (int q = 0; q < NKV; ++q) {
+        const int kk = q * S + slot;
         float pv[G];
 #pragma unroll
         for (int h = 0; h < G; ++h) pv[h] = __shfl_sync(0xffffffffu, pj[h], kk & 31);
         if (slot < S && kk < 32 && j0 + kk < ce) {
-          uint4 vv = ldc16(vb + (long long)(j0 + kk) * HD + ch * VEC);
           float f[VEC];
-          unpack(vv, f);
+          unpack(vv[q], f);
 #pragma unroll
           for (int h = 0; h < G; ++h)
 #pragma unroll
@@ -482,7 +501,13 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   float* cb = sm + SM_STAGE;
-  if (threadIdx.x == 0) wait_delayed(p, C_WO, UPL_WO, n, i);
+  if (threadIdx.x == 0) {
+    wait_delayed(p, C_WO, UPL_WO, n, i);
+    if (i > 0) {   // the residual base h[2i] of the block's lanes: W2(i-1), or the QKV(i) writer block
+      if (fused_step(2 * i)) wait_lanes(p, C_W2, l0, l1, (u64)(n * NL + i) * UPL_W2);
+      else wait_lanes(p, C_QKV, l0, l1, (u64)(n * NL + i + 1) * UPL_QKV);
+    }
+  }
   __syncthreads();
   stage_combine(p, cb, i, 0, ua, ub, NR_WO, UPL_WO, tok);
   if (threadIdx.x == 0) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
@@ -493,14 +518,21 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     for (int x = threadIdx.x; x < HDL; x += NT) {
       const int hh = x / HD, d = x % HD, qh = l * HL + hh, g = qh / G, hg = qh % G;
       const float* a = p.attp + ((long long)g * NCH * G + hg) * ATTP;
-      float M = -1e30f;
-      for (int c = 0; c < NCH; ++c) M = fmaxf(M, ldf(a + (long long)c * G * ATTP + HD));
-      float A = 0.f, Ls = 0.f;
+      float mc[NCH], ac[NCH], lc[NCH];
+#pragma unroll
       for (int c = 0; c < NCH; ++c) {
-        const float* ac = a + (long long)c * G * ATTP;
-        const float e = expf(ldf(ac + HD) - M);
-        A += ldf(ac + d) * e;
-        Ls += ldf(ac + HD + 1) * e;
+        const float* ach = a + (long long)c * G * ATTP;
+        mc[c] = ldf(ach + HD); ac[c] = ldf(ach + d); lc[c] = ldf(ach + HD + 1);
+      }
+      float M = -1e30f;
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) M = fmaxf(M, mc[c]);
+      float A = 0.f, Ls = 0.f;
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) {
+        const float e = expf(mc[c] - M);
+        A += ac[c] * e;
+        Ls += lc[c] * e;
       }
       sm[(l - l0) * HDL + x] = A / Ls;
     }
@@ -558,7 +590,12 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
   float* cb = sm + SM_STAGE;
-  if (threadIdx.x == 0) wait_delayed(p, C_W2, UPL_W2, n, i);
+  if (threadIdx.x == 0) {
+    wait_delayed(p, C_W2, UPL_W2, n, i);
+    // the residual base h[2i+1] of the block's lanes: WO(i), or the W13(i) writer block
+    if (fused_step(2 * i + 1)) wait_lanes(p, C_WO, l0, l1, (u64)(n * NL + i + 1) * UPL_WO);
+    else wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
+  }
   __syncthreads();
   stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
   if (threadIdx.x == 0) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
