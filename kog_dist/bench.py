@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--prefetch", type=int, default=65536, help="L2 prefetch bytes per block and phase")
     ap.add_argument("--nblocks", type=int, default=None)
+    ap.add_argument("--define", action="append", default=[], metavar="CFG_X=V",
+                    help="extra compile-time define of the monokernel (tuning variants)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -171,17 +173,19 @@ def main(argv=None) -> int:
     need = max(args.pp + 1, args.prompt + args.gen, args.ctx)
     if args.shape:
         cfg = shape_config(args.shape)
-        k = build(cfg, dtype, args.nblocks, args.prefetch)
+        extra = dict(d.split("=", 1) for d in args.define)
+        k = build(cfg, dtype, args.nblocks, args.prefetch, extra=extra)
         t0 = time.perf_counter()
         dw = random_weights(cfg, dtype, k, seed=args.seed)
         _say(f"random {args.shape} weights on the device in {time.perf_counter() - t0:.1f} s")
         backend = CudaBackend(weights=dw, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
-                              nblocks=args.nblocks, prefetch=args.prefetch)
+                              nblocks=args.nblocks, prefetch=args.prefetch, extra_defines=extra)
         model_name = f"laneformer-{args.shape} (random)"
     else:
         cfg = load_config(args.model)
         backend = CudaBackend(args.model, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
                               nblocks=args.nblocks, prefetch=args.prefetch,
+                              extra_defines=dict(d.split("=", 1) for d in args.define),
                               dtype=dtype if args.dtype != "bf16" else None)
         model_name = args.model
     report["model"] = model_name

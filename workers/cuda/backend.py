@@ -50,7 +50,7 @@ class _Mapped:
 class CudaBackend(Backend):
     def __init__(self, model_dir: str | None = None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
-                 prefetch: int = 65536, prefill_chunk: int = 2048):
+                 prefetch: int = 65536, prefill_chunk: int = 2048, extra_defines: dict | None = None):
         import cupy as cp
         from kog_dist.config import load_config
 
@@ -67,7 +67,7 @@ class CudaBackend(Backend):
         if lanes is not None and len(lanes) != cfg.num_lanes:
             raise ValueError("the cuda backend runs all lanes on one GPU in this version (one rank)")
         self.dw = weights
-        self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False)
+        self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines)
         self.nblocks = int(self.k.defines["CFG_NB"])
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")

@@ -39,7 +39,7 @@ def source() -> str:
     return "\n".join(_inline(os.path.join(HERE, f), seen) for f in SOURCES)
 
 
-def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536) -> dict:
+def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | None = None) -> dict:
     sw = cfg.sliding_window or 0
     return {
         "CFG_WT": WT_CODE[dtype], "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
@@ -49,7 +49,7 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536) -> dict:
         "CFG_USE_EARLY": int(cfg.use_early_comm), "CFG_EARLY_FUTURE": int(cfg.early_layers_to_future),
         "CFG_SW": sw, "CFG_SWN": cfg.sliding_window_n_layers if sw else 0,
         "CFG_THETA": repr(float(cfg.rope_theta)), "CFG_EPS": repr(float(cfg.norm_eps)) + "f",
-        "CFG_NB": nblocks, "CFG_PF": prefetch,
+        "CFG_NB": nblocks, "CFG_PF": prefetch, **(extra or {}),
     }
 
 
@@ -86,12 +86,15 @@ class Kernels:
                    ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32")}
 
 
-def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True) -> Kernels:
+def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True,
+          extra: dict | None = None) -> Kernels:
+    """extra: more CFG_* defines (tuning variants: CFG_PFS shared-memory prefetch bytes, CFG_PF_BULK,
+    CFG_PF_ATT); the defaults are what the backend uses."""
     import cupy as cp
     check_shape(cfg, dtype)
     if nblocks is None:
         nblocks = cp.cuda.Device().attributes["MultiProcessorCount"]
-    defs = defines(cfg, dtype, nblocks, prefetch)
+    defs = defines(cfg, dtype, nblocks, prefetch, extra)
     key = tuple(sorted(defs.items()))
     if key in _cache:
         return _cache[key]

@@ -31,6 +31,12 @@
 #ifndef CFG_PF
 #define CFG_PF 65536        // bytes of its next weights each block prefetches into L2 before it waits
 #endif
+#ifndef CFG_PFS
+#define CFG_PFS 98304       // bytes of its next weights each block copies into shared memory before it waits
+#endif
+#ifndef CFG_PF_BULK
+#define CFG_PF_BULK 1       // L2 prefetch through the copy engine (cp.async.bulk.prefetch) instead of per line
+#endif
 #ifndef CFG_PF_ATT
 #define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)
 #endif
@@ -56,6 +62,7 @@ constexpr int VEC = 16 / (int)sizeof(wt);
 constexpr int NB = CFG_NB, NT = 512, NW = NT / 32;
 constexpr int PF = CFG_PF;
 constexpr long long PF_ATT = CFG_PF_ATT;
+constexpr int PFS = CFG_PFS;
 constexpr float EPS = CFG_EPS;
 static_assert(H % L == 0 && KV % L == 0 && F % L == 0 && H % KV == 0, "lane divisibility");
 static_assert(HD % 2 == 0, "RoPE needs an even head_dim");
@@ -164,9 +171,26 @@ __device__ __forceinline__ void spin_until(const u64* p, u64 target) {
 }
 __device__ __forceinline__ void prefetch_l2(const void* base, long long bytes, long long limit) {
   long long n = bytes < limit ? bytes : limit;
+#if CFG_PF_BULK
+  if (threadIdx.x == 0) {
+    n &= ~15ll;
+    for (long long off = 0; off < n; off += 32768) {
+      const unsigned sz = (unsigned)(n - off < 32768 ? n - off : 32768);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((const char*)base + off), "r"(sz) : "memory");
+    }
+  }
+#else
   for (long long off = (long long)threadIdx.x * 128; off < n; off += (long long)blockDim.x * 128)
     asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)base + off));
+#endif
 }
+// asynchronous 16-byte copies global -> shared (completed by cp_async_wait_all + a barrier)
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
+  asm volatile("{\n .reg .u64 sa;\n cvta.to.shared.u64 sa, %0;\n cp.async.cg.shared.global [sa], [%1], 16;\n}"
+               ::"l"(smem_dst), "l"(gsrc) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // ---- reductions --------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

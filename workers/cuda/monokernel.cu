@@ -39,7 +39,25 @@ constexpr int SM_STAGE = L * cmax(cmax(D, FL), HDL);
 constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
 constexpr int SM_LM = (L + 1) * D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
-constexpr int SM_FLOATS = cmax(cmax(SM_STAGE + 2 * CB_ROWS, SM_ATT), SM_LM) + 16 * 8 + 16;
+constexpr int SM_MAIN = cmax(cmax(SM_STAGE + 2 * CB_ROWS, SM_ATT), SM_LM) + 16 * 8 + 16;
+constexpr int SM_FLOATS = ((SM_MAIN + 3) / 4) * 4 + PFS / 4;   // + the weight buffer (16-byte aligned)
+constexpr int WBUF_OFF = ((SM_MAIN + 3) / 4) * 4;
+static_assert(SM_FLOATS * 4 <= 225 * 1024, "shared memory: lower CFG_PFS");
+// units' sizes in elements of wt
+constexpr int UE_QKV = 2 * D, UE_WO = NR_WO * HDL, UE_W13 = 2 * D, UE_W2 = NR_W2 * FL, UE_LM = 2 * D;
+// the first units of the block's range copied into shared memory; returns how many there will be
+__device__ __forceinline__ int wbuf_fill(float* sm, const wt* src, int nunits, int ue, bool issue) {
+  if (PFS == 0 || nunits <= 0) return 0;
+  const int nb = min(nunits, PFS / (ue * (int)sizeof(wt)));
+  if (issue) {
+    const long long bytes = (long long)nb * ue * sizeof(wt);
+    char* dst = reinterpret_cast<char*>(sm + WBUF_OFF);
+    for (long long off = (long long)threadIdx.x * 16; off < bytes; off += NT * 16)
+      cp_async16(dst + off, reinterpret_cast<const char*>(src) + off);
+    cp_async_commit();
+  }
+  return nb;
+}
 
 struct Params {                  // every field 8 bytes; backend.py fills it in this order
   const wt* w;                   // 0  layer weights [NL][QKV|WO|W13|W2]
@@ -121,7 +139,7 @@ __device__ float block_sum(float v, float* red) {
 
 // NR rows of K columns starting at w (row stride K), dotted with xs (shared, K floats); rows >= nvalid
 // are not read. All lanes get the NR sums.
-template <int NR, int K>
+template <int NR, int K, bool SMEM = false>
 __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
   constexpr int NCHK = K / VEC;
   constexpr int CPL = (NCHK + 31) / 32;
@@ -140,7 +158,8 @@ __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, c
       for (int u = 0; u < UB; ++u) {
         const int c = (b0 + u) * 32 + lane;
         if (b0 + u < CPL && c < NCHK && r < nvalid)
-          wv[r][u] = ldw(w + (long long)r * K + (long long)c * VEC);
+          wv[r][u] = SMEM ? *reinterpret_cast<const uint4*>(w + (long long)r * K + (long long)c * VEC)
+                          : ldw(w + (long long)r * K + (long long)c * VEC);
         else
           wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -305,16 +324,18 @@ __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl
 }
 
 // ---- phases ------------------------------------------------------------------------------------
-__device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok) {
+__device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {
   int ua, ub;
   const int ph = 5 * i;
   tmark(p, n, ph, 0);
   brange(U_QKV, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_QKV;
-  prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
+  if (!prefilled)
+    prefetch_l2(W + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV * sizeof(wt), PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
-  float* red = sm + SM_FLOATS - 16 * 8 - 16;
+  float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i;
   if (threadIdx.x == 0 && s > 0) {
     const u64 tgt = (u64)(n * NL + i) * UPL_W2;    // W2 of layer i-1 done
@@ -323,6 +344,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   }
   __syncthreads();
   tmark(p, n, ph, 1);
+  cp_async_wait_all();
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
               writer_mask(l0, l1, UPL_QKV, ua, ub), red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -334,7 +356,8 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     float2 cs = make_float2(1.f, 0.f);
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
-    warp_dot<2, D>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
+    if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_QKV, 2, sm + (l - l0) * D, acc);
+    else warp_dot<2, D>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
       float x0 = acc[0], x1 = acc[1];
       if (region < 2) {
@@ -364,8 +387,9 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
   {  // the output projection's weights come next: ask L2 for them now
     int wa, wb;
     brange(U_WO, wa, wb);
-    prefetch_l2(p.w + (long long)i * LAYER_SZ + OFF_WO + (long long)wa * NR_WO * HDL,
-                (long long)(wb - wa) * NR_WO * HDL * sizeof(wt), PF_ATT);
+    const wt* Wo = p.w + (long long)i * LAYER_SZ + OFF_WO;
+    const int nb = wbuf_fill(sm, Wo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
+    prefetch_l2(Wo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO * sizeof(wt), PF_ATT);
   }
   if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -498,6 +522,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 0);
   brange(U_WO, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
+  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   float* cb = sm + SM_STAGE;
@@ -536,12 +561,16 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
       }
       sm[(l - l0) * HDL + x] = A / Ls;
     }
+  cp_async_wait_all();
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
     float acc[NR_WO];
-    warp_dot<NR_WO, HDL>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
+    if (u - ua < nbuf)
+      warp_dot<NR_WO, HDL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_WO, NR_WO, sm + (l - l0) * HDL, acc);
+    else
+      warp_dot<NR_WO, HDL>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
     if (lane < NR_WO)
       combine_finish(p, i, 0, l, r0 + lane, pick(acc, NR_WO, lane), cb + 2 * ((u - ua) * NR_WO + lane));
   }
@@ -555,10 +584,11 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 0);
   brange(U_W13, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
-  prefetch_l2(W + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
+  prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
-  float* red = sm + SM_FLOATS - 16 * 8 - 16;
+  float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i + 1;
   if (threadIdx.x == 0) {
     const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
@@ -567,13 +597,15 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   }
   __syncthreads();
   tmark(p, n, ph, 1);
+  cp_async_wait_all();
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
               writer_mask(l0, l1, UPL_W13, ua, ub), red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
-    warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
+    if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
+    else warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
   }
   signal_lanes(p, C_W13, UPL_W13, ua, ub);
@@ -586,7 +618,8 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 0);
   brange(U_W2, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
-  prefetch_l2(W + (long long)ua * NR_W2 * FL, (long long)(ub - ua) * NR_W2 * FL * sizeof(wt), PF);
+  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
+  prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
   float* cb = sm + SM_STAGE;
@@ -603,12 +636,16 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + x] = ldf(p.hid + (long long)l * FL + x);
+  cp_async_wait_all();
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
     float acc[NR_W2];
-    warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
+    if (u - ua < nbuf)
+      warp_dot<NR_W2, FL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W2, NR_W2, sm + (l - l0) * FL, acc);
+    else
+      warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
     if (lane < NR_W2)
       combine_finish(p, i, 1, l, r0 + lane, pick(acc, NR_W2, lane), cb + 2 * ((u - ua) * NR_W2 + lane));
   }
@@ -713,11 +750,12 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;
   tmark(p, n, 5 * NL, 0);
   brange(U_LM, ua, ub);
-  prefetch_l2(p.lm + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+  const int nbuf = wbuf_fill(sm, p.lm + (long long)ua * UE_LM, ub - ua, UE_LM, true);
+  prefetch_l2(p.lm + (long long)(ua + nbuf) * UE_LM, (long long)(ub - ua - nbuf) * UE_LM * sizeof(wt), PF);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   float* y = sm;
   float* tmp = sm + D;
-  float* red = sm + SM_FLOATS - 16 * 8 - 16;
+  float* red = sm + SM_MAIN - 16 * 8 - 16;
   __shared__ float bv[NW];
   __shared__ int bi[NW];
   __shared__ int last;
@@ -727,6 +765,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
     tmark(p, n, 5 * NL, 1);
+    cp_async_wait_all();
     stage_norms(p, tmp, 2 * NL, 0, L, p.fnorm, tok, 0u, red);
     for (int d = tid; d < D; d += NT) {
       float a = tmp[d];
@@ -737,7 +776,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     for (int u = ua + warp; u < ub; u += NW) {
       const int r0 = 2 * u;
       float acc[2];
-      warp_dot<2, D>(p.lm + (long long)r0 * D, min(2, V - r0), y, acc);
+      if (u - ua < nbuf)
+        warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_LM, min(2, V - r0), y, acc);
+      else
+        warp_dot<2, D>(p.lm + (long long)r0 * D, min(2, V - r0), y, acc);
       if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -824,7 +866,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       // next token's first weights into L2, then wait for the sampler
       int ua, ub;
       brange(U_QKV, ua, ub);
-      prefetch_l2(p.w + (long long)ua * 2 * D, (long long)(ub - ua) * 2 * D * sizeof(wt), PF);
+      const int nb = wbuf_fill(sm, p.w + (long long)ua * UE_QKV, ub - ua, UE_QKV, true);
+      prefetch_l2(p.w + (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV * sizeof(wt), PF);
       tmark(p, n, 5 * NL + 1, 0);
       if (threadIdx.x == 0) {
         spin_until(p.ctr + C_TOKEN, (u64)n);
@@ -837,7 +880,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       tmark(p, n, 5 * NL + 1, 1);
     }
     for (int i = 0; i < NL; ++i) {
-      phase_qkv(p, sm, n, i, t, tok);
+      phase_qkv(p, sm, n, i, t, tok, n > 0 && i == 0);
       phase_att(p, sm, n, i, t);
       phase_wo(p, sm, n, i, tok);
       phase_w13(p, sm, n, i, tok);
