@@ -151,7 +151,7 @@ class Client:
             ready = dict(poller.poll(int(timeout * 1000)))
             if not ready:
                 raise ClientTimeout(f"no answer from {self.endpoint} within {timeout:g} s")
-            if sock not in ready:              # only a disconnect, and nothing left to read
+            if sock not in ready and not sock.poll(200):   # a disconnect, and nothing left to read
                 raise ServerGone(f"the server at {self.endpoint} closed the connection (it stopped or crashed)")
             msg = P.unpackb(sock.recv(), P.MAX_REPLY_BYTES)
             if msg.get("id") != want_id:

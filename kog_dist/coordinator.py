@@ -201,6 +201,7 @@ class Coordinator:
         self.draining = False
         self.exit_code = None
         self.drain_deadline = None
+        self.peer_failed_at = None
         self.t0 = time.monotonic()
         self.counts = collections.Counter()
         self.hist = {k: collections.deque(maxlen=1024) for k in ("prefill_ms", "ttft_ms", "decode_tokens_per_s")}
@@ -253,6 +254,9 @@ class Coordinator:
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 old[sig] = signal.signal(sig, self._on_signal)
+            # MPICH hydra with -disable-auto-cleanup SIGUSR1s the survivors when a rank dies; its
+            # default action would kill rank 0 before it can answer the pending requests.
+            old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_peer_signal)
         thread = threading.Thread(target=self._decode_loop, name="kog-decode", daemon=True)
         thread.start()
         self.log(f"serving on {self.bound} (slots {len(self.slots)}, max_seq {self.max_seq}, "
@@ -278,7 +282,7 @@ class Coordinator:
                             break
                         self._on_frames(frames)
                 self._housekeeping()
-                if self.draining and self.active is None:
+                if self.exit_code == 1 or (self.draining and self.active is None):
                     break
         finally:
             with self.jobs_cv:
@@ -299,6 +303,9 @@ class Coordinator:
 
     def _on_signal(self, signum, frame):
         self._begin_shutdown(f"signal {signum}")
+
+    def _on_peer_signal(self, signum, frame):
+        self.peer_failed_at = self.peer_failed_at or time.monotonic()
 
     def _begin_shutdown(self, why):
         if self.draining:
@@ -700,13 +707,19 @@ class Coordinator:
         msg = f"the ranks failed: {type(exc).__name__}: {exc}"[:300]
         self.log(msg + "; failing every pending request and exiting")
         self.exit_code, self.draining, self.active = 1, True, None
-        self._fail(r, "backend_failed", msg)
+        if r is not None:
+            self._fail(r, "backend_failed", msg)
         while self.queue:
             self._fail(self.queue.popleft(), "backend_failed", msg)
 
     # ------------------------------------------------------------------------------ upkeep
     def _housekeeping(self):
         now = time.monotonic()
+        if self.peer_failed_at is not None and self.exit_code != 1:
+            # a rank died (hydra's SIGUSR1): a running decode fails by itself (PeerLost); an idle job,
+            # or a decode still stuck after 10 s, is failed here
+            if self.active is None or now - self.peer_failed_at > 10.0:
+                self._backend_failed(self.active, RuntimeError("the launcher reported a failed rank (SIGUSR1)"))
         if now - getattr(self, "_last_expiry", 0.0) >= 1.0:
             self._last_expiry = now
             self._expire_sessions()
