@@ -32,10 +32,17 @@
 #define CFG_PF 65536        // bytes of its next weights each block prefetches into L2 before it waits
 #endif
 #ifndef CFG_PFS
-#define CFG_PFS 98304       // bytes of its next weights each block copies into shared memory before it waits
+#define CFG_PFS 0           // bytes of its next weights each block copies into shared memory before it waits
+                            // (98304 measured slower on H200: 537 vs 656 tokens/s, see docs/monokernel.md)
 #endif
 #ifndef CFG_PF_BULK
 #define CFG_PF_BULK 1       // L2 prefetch through the copy engine (cp.async.bulk.prefetch) instead of per line
+#endif
+#ifndef CFG_NR_WO
+#define CFG_NR_WO 4         // rows per warp unit in the output projection
+#endif
+#ifndef CFG_UBMAX
+#define CFG_UBMAX 12        // 16-byte loads in flight per lane in a row dot (over all its rows)
 #endif
 #ifndef CFG_PF_ATT
 #define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)

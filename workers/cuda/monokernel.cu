@@ -17,7 +17,7 @@ using namespace cfg;
 constexpr int NCH = (NB / KV) > 0 ? (NB / KV) : 1;         // attention chunks per kv head
 constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
 constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
-constexpr int NR_WO = 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
+constexpr int NR_WO = (D % CFG_NR_WO == 0) ? CFG_NR_WO : 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
 constexpr int UPL_W13 = FL, U_W13 = L * FL;
 constexpr int NR_W2 = 2, UPL_W2 = D / NR_W2, U_W2 = L * UPL_W2;
 constexpr int U_LM = (V + 1) / 2;
@@ -143,7 +143,7 @@ template <int NR, int K, bool SMEM = false>
 __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
   constexpr int NCHK = K / VEC;
   constexpr int CPL = (NCHK + 31) / 32;
-  constexpr int UB0 = 12 / NR;
+  constexpr int UB0 = CFG_UBMAX / NR;
   constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
   const int lane = threadIdx.x & 31;
   float acc[NR];
