@@ -192,17 +192,24 @@ class Client:
         finally:
             s.close(0)
 
-    def generate(self, prompt=None, prompt_ids=None, **kw) -> GenerateResult:
-        """Decode; returns token_ids, text, stop_reason and stats. Keywords: max_new_tokens,
-        temperature, top_k, top_p, seed, stop (str or list), stop_ids, add_bos, session."""
-        st = self.stream(prompt, prompt_ids, _stream=False, **kw)
+    def generate(self, prompt=None, prompt_ids=None, *, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=0, stop=None, stop_ids=None, add_bos=None, session=None) -> GenerateResult:
+        """Decode; returns a GenerateResult (token_ids / ids, text, stop_reason, stats). `stop` is a
+        string or a list of strings, `stop_ids` a list of ids; `session` continues that session."""
+        st = self.stream(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, add_bos=add_bos, session=session,
+                         _stream=False)
         for _ in st:
             pass
         return st.result
 
-    def stream(self, prompt=None, prompt_ids=None, *, _stream=True, **kw) -> "Stream":
+    def stream(self, prompt=None, prompt_ids=None, *, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
+               seed=0, stop=None, stop_ids=None, add_bos=None, session=None, _stream=True) -> "Stream":
         """An iterator of chunks {"token_ids", "text"} as the ranks produce them; afterwards
-        ``.result`` holds the final GenerateResult. ``.close()`` early cancels the decode."""
+        ``.result`` holds the GenerateResult. ``.cancel()`` stops the decode, ``.close()`` cancels
+        and waits for the end (also on leaving a ``with`` block)."""
+        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  stop=stop, stop_ids=stop_ids, add_bos=add_bos, session=session)
         msg = _request("generate", prompt, prompt_ids, kw)
         msg["stream"] = _stream
         return Stream(self, msg)

@@ -202,6 +202,7 @@ class Coordinator:
         self.exit_code = None
         self.drain_deadline = None
         self.peer_failed_at = None
+        self.signalled = None
         self.t0 = time.monotonic()
         self.counts = collections.Counter()
         self.hist = {k: collections.deque(maxlen=1024) for k in ("prefill_ms", "ttft_ms", "decode_tokens_per_s")}
@@ -302,7 +303,7 @@ class Coordinator:
         return self.exit_code or 0
 
     def _on_signal(self, signum, frame):
-        self._begin_shutdown(f"signal {signum}")
+        self.signalled = signum                  # acted on by the loop, never inside the handler
 
     def _on_peer_signal(self, signum, frame):
         self.peer_failed_at = self.peer_failed_at or time.monotonic()
@@ -658,6 +659,8 @@ class Coordinator:
         reason = res.stop_reason if res is not None else "length"
         if reason == "cancel" and r.cancel_reason == "stop":
             reason = "stop"
+        elif reason == "none":                   # the backend's word for max_new_tokens == 0
+            reason = "length"
         body = tokens
         if reason in ("eos", "stop") and tokens and tokens[-1] in r.text.terminal:
             body = tokens[:-1]
@@ -715,6 +718,8 @@ class Coordinator:
     # ------------------------------------------------------------------------------ upkeep
     def _housekeeping(self):
         now = time.monotonic()
+        if self.signalled is not None and not self.draining:
+            self._begin_shutdown(f"signal {self.signalled}")
         if self.peer_failed_at is not None and self.exit_code != 1:
             # a rank died (hydra's SIGUSR1): a running decode fails by itself (PeerLost); an idle job,
             # or a decode still stuck after 10 s, is failed here
