@@ -420,8 +420,13 @@ class Coordinator:
     # ------------------------------------------------------------------------------ incoming
     def _on_frames(self, frames):
         ident = frames[0].bytes
-        if len(frames) < 2 or len(frames) > P.MAX_FRAMES + 1 or any(len(f) for f in frames[1:-1]):
-            self.counts["dropped"] += 1          # not our framing: nothing sensible to answer
+        if len(frames) < 2:                      # nothing but a routing id: nothing to answer
+            self.counts["dropped"] += 1
+            return
+        if len(frames) > P.MAX_FRAMES + 1 or any(len(f) for f in frames[1:-1]):
+            self.counts["bad_requests"] += 1
+            self._send(ident, [], P.error_reply("bad_request", f"a request is one msgpack frame (optionally "
+                                                               f"after empty delimiters), got {len(frames) - 1}"))
             return
         envelope, payload = [b""] * (len(frames) - 2), frames[-1]
         req_id = None
