@@ -342,8 +342,9 @@ class Coordinator:
                 if job is None:
                     return
                 req, cmd = job
+                streaming = bool(req.params.get("stream"))   # otherwise the loop wakes on its own timer
 
-                def on_token(t, req=req):
+                def on_token(t, req=req, streaming=streaming):
                     now = time.monotonic()
                     if req.cancel_reason is not None:
                         return False
@@ -354,7 +355,9 @@ class Coordinator:
                         req.n_tokens += 1
                         req.pend_ids.append(int(t))
                         req.pend_text += req.text.take()
-                    kick()
+                        wake = streaming and len(req.pend_ids) == 1   # the loop has not been told yet
+                    if wake:
+                        kick()
                     if hit:
                         req.cancel_reason = "stop"
                     return not hit
