@@ -199,6 +199,7 @@ class CudaBackend(Backend):
         except Exception as e:  # noqa: BLE001
             print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
         L = self.cfg.num_lanes
+        host = host[::self.ctr.size // (5 * L + 4)]    # counters sit CTR_STRIDE words apart
         print(f"monokernel hang after {seen} tokens; status {list(self.status.a)}", file=sys.stderr)
         for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2")):
             print(f"  {name}: {list(host[ph * L:(ph + 1) * L])}", file=sys.stderr)

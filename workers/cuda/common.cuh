@@ -44,6 +44,12 @@
 #ifndef CFG_UBMAX
 #define CFG_UBMAX 12        // 16-byte loads in flight per lane in a row dot (over all its rows)
 #endif
+#ifndef CFG_CTR_STRIDE
+#define CFG_CTR_STRIDE 16   // counters on their own 128-byte lines
+#endif
+#ifndef CFG_SPIN_NS
+#define CFG_SPIN_NS 0       // back-off between polls of a counter (0: spin)
+#endif
 #ifndef CFG_PF_ATT
 #define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)
 #endif
@@ -174,6 +180,9 @@ __device__ __forceinline__ void st_release(u64* p, u64 v) {
 }
 __device__ __forceinline__ void spin_until(const u64* p, u64 target) {
   while (ld_acquire(p) < target) {
+#if CFG_SPIN_NS > 0
+    __nanosleep(CFG_SPIN_NS);
+#endif
   }
 }
 __device__ __forceinline__ void prefetch_l2(const void* base, long long bytes, long long limit) {

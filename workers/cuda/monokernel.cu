@@ -31,7 +31,9 @@ constexpr int ATTP = HD + 2;                                // (acc[HD], m, l) p
 // counters (u64): per phase and lane, then ticket, token, token value, stop
 enum { C_QKV = 0, C_ATT = 1, C_WO = 2, C_W13 = 3, C_W2 = 4 };
 constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STOP = 5 * L + 3;
-constexpr int NCTR = 5 * L + 4;
+constexpr int CTR_STRIDE = CFG_CTR_STRIDE;                   // u64 words between counters (16: own 128-byte line)
+constexpr int NCTR = (5 * L + 4) * CTR_STRIDE;
+#define CTR(p, k) ((p).ctr + (long long)(k) * CTR_STRIDE)
 
 // shared memory (floats)
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -310,12 +312,12 @@ __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl
     __threadfence();
     for (int l = a / upl; l <= (b - 1) / upl; ++l) {
       int n = lane_units(l, upl, a, b);
-      if (n) red_release(p.ctr + phase * L + l, (u64)n);
+      if (n) red_release(CTR(p, phase * L + l), (u64)n);
     }
   }
 }
 __device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
-  for (int l = l0; l <= l1; ++l) spin_until(p.ctr + phase * L + l, target);
+  for (int l = l0; l <= l1; ++l) spin_until(CTR(p, phase * L + l), target);
 }
 // the delayed partials of layer i - DELTA must be complete before a producer of layer i combines
 __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl, int n, int i) {
@@ -407,7 +409,7 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
   for (int u = ua; u < ub; ++u) {
     const int g = u / NCH, c = u % NCH, l = g / KVL;
     if (l != waited) {
-      if (threadIdx.x == 0) spin_until(p.ctr + C_QKV * L + l, (u64)(n * NL + i + 1) * UPL_QKV);
+      if (threadIdx.x == 0) spin_until(CTR(p, C_QKV * L + l), (u64)(n * NL + i + 1) * UPL_QKV);
       waited = l;
     }
     __syncthreads();
@@ -800,7 +802,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     p.cand_v[blockIdx.x] = best;
     p.cand_i[blockIdx.x] = besti;
     __threadfence();
-    const u64 tk = atomicAdd(p.ctr + C_TICKET, 1ull);
+    const u64 tk = atomicAdd(CTR(p, C_TICKET), 1ull);
     last = (tk == (u64)(n + 1) * NB - 1);
     if (last) __threadfence();
   }
@@ -843,9 +845,9 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
       __threadfence_system();
       st[2] = 1;
     }
-    p.ctr[C_TOKVAL] = (u64)next;
-    p.ctr[C_STOP] = (u64)reason;
-    st_release(p.ctr + C_TOKEN, (u64)(n + 1));
+    *CTR(p, C_TOKVAL) = (u64)next;
+    *CTR(p, C_STOP) = (u64)reason;
+    st_release(CTR(p, C_TOKEN), (u64)(n + 1));
   }
   __syncthreads();
 }
@@ -870,9 +872,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       prefetch_l2(p.w + (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV * sizeof(wt), PF);
       tmark(p, n, 5 * NL + 1, 0);
       if (threadIdx.x == 0) {
-        spin_until(p.ctr + C_TOKEN, (u64)n);
-        tok_s = (int)__ldcg(p.ctr + C_TOKVAL);
-        stop_s = (int)__ldcg(p.ctr + C_STOP);
+        spin_until(CTR(p, C_TOKEN), (u64)n);
+        tok_s = (int)__ldcg(CTR(p, C_TOKVAL));
+        stop_s = (int)__ldcg(CTR(p, C_STOP));
       }
       __syncthreads();
       if (stop_s) return;
