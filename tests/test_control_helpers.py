@@ -88,6 +88,7 @@ class Reference:
     """The one-process engine: a fresh CpuBackend slot, prefilled from scratch every time."""
 
     def __init__(self, model_dir: str):
+        self.model_dir = model_dir
         self.backend, self.cfg, self.tok = load(model_dir, num_slots=1)
 
     def ids(self, prompt_ids, max_new_tokens, stop_ids=(), **sampling):

@@ -140,6 +140,27 @@ def test_generate_stream_and_cli_equal_reference(job, ref):
                        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == ref.ids(PROMPT, 12, **SAMPLED)
+    # a text prompt through the server equals `kog generate` in one process (same BOS rule)
+    got, want = (subprocess.run([sys.executable, "-m", "kog_dist.cli", *argv, "--prompt", "Hello", "-n", "10", "--json"],
+                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT) for argv in
+                 (["client", "--connect", job.endpoint, "generate"], ["generate", "--model", ref.model_dir,
+                                                                      "--backend", "cpu"]))
+    assert got.returncode == 0 and want.returncode == 0, (got.stderr, want.stderr)
+    assert json.loads(got.stdout)["token_ids"] == json.loads(want.stdout)["token_ids"]
+    assert json.loads(got.stdout)["text"] == json.loads(want.stdout)["text"]
+
+
+def test_run_script_on_the_ranks(job, ref, tmp_path):
+    script = tmp_path / "s.jsonl"
+    script.write_text('{"op": "append", "prompt_ids": [1, 5, 9]}\n{"op": "generate", "max_new_tokens": 6}\n'
+                      '{"op": "append", "prompt_ids": [44]}\n{"op": "generate", "max_new_tokens": 6, "seed": 4, '
+                      '"temperature": 0.8}\n')
+    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "client", "--connect", job.endpoint, "run", str(script),
+                        "--json"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    g1, g2 = rows[1]["token_ids"], rows[3]["token_ids"]
+    assert g1 == ref.ids([1, 5, 9], 6) and g2 == ref.ids([1, 5, 9] + g1 + [44], 6, seed=4, temperature=0.8)
 
 
 def test_session_on_the_ranks(job, ref):
