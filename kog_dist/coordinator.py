@@ -346,9 +346,7 @@ class Coordinator:
 
                 def on_token(t, req=req, streaming=streaming):
                     now = time.monotonic()
-                    if req.cancel_reason is not None:
-                        return False
-                    hit = req.text.feed(int(t))
+                    hit = req.text.feed(int(t))       # every token the backend returns is streamed
                     with req.lock:
                         if req.n_tokens == 0:
                             req.t_first = now
@@ -358,6 +356,8 @@ class Coordinator:
                         wake = streaming and len(req.pend_ids) == 1   # the loop has not been told yet
                     if wake:
                         kick()
+                    if req.cancel_reason is not None:
+                        return False
                     if hit:
                         req.cancel_reason = "stop"
                     return not hit

@@ -195,7 +195,7 @@ def test_cancel_busy_and_disconnect(job, ref):
         sa.cancel()
         for ch in sa:
             seen += ch["token_ids"]
-        assert sa.result.stop_reason == "cancel"
+        assert sa.result.stop_reason == "cancel" and sa.result.token_ids == seen
         assert len(sa.result.token_ids) < n_at_cancel + 60 < 900   # a few tokens at most (2 shared cores)
         assert sa.result.token_ids == ref.ids(PROMPT, len(sa.result.token_ids))
         list(sb)
