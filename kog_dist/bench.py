@@ -42,6 +42,17 @@ def cupy_copy_bandwidth(nbytes: int = 2 ** 31, repeats: int = 10) -> float:
     return 2.0 * nbytes / statistics.median(times)
 
 
+def _commit() -> str:
+    import os
+    import subprocess
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
 def shape_config(name: str):
     from kog_dist.config import LaneformerConfig
     if name != "2b":
@@ -141,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--json-out", help="also write the JSON report to this file")
     args = ap.parse_args(argv)
     try:
         import cupy as cp
@@ -158,7 +170,7 @@ def main(argv=None) -> int:
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     dev_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    report = {"date": time.strftime("%Y-%m-%d"), "device": dev_name,
+    report = {"date": time.strftime("%Y-%m-%d"), "device": dev_name, "commit": _commit(),
               "sms": dev.attributes["MultiProcessorCount"], "args": vars(args)}
     try:
         from workers.cuda import torch_baseline as tb
@@ -216,6 +228,9 @@ def main(argv=None) -> int:
         if "tokens_per_s" in b:
             b["GB_per_s"] = b["tokens_per_s"] * mk["streamed_bytes_per_token"] / 1e9
             b["fraction_of_copy_bw"] = b["GB_per_s"] * 1e9 / bw
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, default=str, indent=1)
     if args.json:
         print(json.dumps(report, default=str))
     else:
@@ -247,7 +262,8 @@ def table(r: dict) -> str:
     head = ("backend", "test", "t/s", "latency", "GB/s", "of copy BW")
     w = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     line = lambda x: "| " + " | ".join(str(v).ljust(w[i]) for i, v in enumerate(x)) + " |"
-    out = [f"model: {r['model']}  dtype: {dt}  device: {r['device']} ({r['sms']} SMs)  date: {r['date']}",
+    out = [f"model: {r['model']}  dtype: {dt}  device: {r['device']} ({r['sms']} SMs)  date: {r['date']}  "
+           f"commit: {r.get('commit', '?')}",
            f"copy bandwidth (measured now): {r['copy_bandwidth_GBps']:.0f} GB/s; weights streamed per token: "
            f"{mk['streamed_bytes_per_token'] / 1e9:.3f} GB; ceiling "
            f"{r['copy_bandwidth_GBps'] * 1e9 / mk['streamed_bytes_per_token']:.0f} tokens/s",
