@@ -172,3 +172,11 @@ def test_sigterm_during_decode(model):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_ipc_endpoint(model, ref, tmp_path):
+    backend, cfg, tok = load(model)
+    with Server(backend, tok, cfg, endpoint=f"ipc://{tmp_path}/kog.sock") as srv:
+        with Client(srv.endpoint, timeout=10) as c:
+            assert c.generate(prompt_ids=PROMPT, max_new_tokens=5).token_ids == ref.ids(PROMPT, 5)
+            assert c.shutdown() == {"shutting_down": True}       # ipc peers are local: allowed
