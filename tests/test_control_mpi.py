@@ -265,3 +265,13 @@ def test_killed_rank(model, auto_cleanup):
         assert "Traceback" not in job.output()
     finally:
         job.kill()
+
+
+@pytest.mark.parametrize("extra, words", [([], "not a loopback address"),
+                                          (["--allow-remote"], "no CURVE keys")])
+def test_remote_bind_refused_by_the_job(model, extra, words):
+    from mpi_helpers import find_mpiexec, mpi_env
+    r = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m", "workers", "--model", model, "--control",
+                        f"tcp://0.0.0.0:{free_port()}", "--backend", "cpu", "--bind", "none", *extra],
+                       capture_output=True, text=True, timeout=90, env=mpi_env(), cwd=REPO_ROOT)
+    assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
