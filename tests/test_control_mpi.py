@@ -275,3 +275,43 @@ def test_remote_bind_refused_by_the_job(model, extra, words):
                         f"tcp://0.0.0.0:{free_port()}", "--backend", "cpu", "--bind", "none", *extra],
                        capture_output=True, text=True, timeout=90, env=mpi_env(), cwd=REPO_ROOT)
     assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_curve_job(model, ref, tmp_path):
+    import zmq.auth
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir(), clients.mkdir()
+    zmq.auth.create_certificates(str(keys), "server")
+    cpub, csec = zmq.auth.create_certificates(str(keys), "client")
+    os.rename(cpub, clients / "client.key")
+    port = free_port()
+    job = Job.__new__(Job)
+    job.endpoint = f"tcp://0.0.0.0:{port}"
+    from mpi_helpers import find_mpiexec, mpi_env
+    job.log = tempfile.TemporaryFile(mode="w+")
+    job.p = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "workers", "--model", model,
+                              "--control", job.endpoint, "--backend", "cpu", "--bind", "none", "--allow-remote",
+                              "--curve-server-key", str(keys / "server.key_secret"), "--curve-clients", str(clients)],
+                             env=mpi_env(), cwd=REPO_ROOT, start_new_session=True, stdout=job.log,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        ep = f"tcp://127.0.0.1:{port}"
+        with Client(ep, timeout=0.5, server_key=str(keys / "server.key"), client_key=csec) as c:
+            assert wait_until(lambda: _answers(c), 90), job.output()
+            c.timeout = 30
+            assert c.generate(prompt_ids=PROMPT, max_new_tokens=6).token_ids == ref.ids(PROMPT, 6)
+            with Client(ep, timeout=0.5) as stranger, pytest.raises((TimeoutError, ConnectionError)):
+                stranger.health()
+            c.shutdown()
+        assert job.wait(30) == 0, job.output()
+    finally:
+        job.ranks = {}
+        job.kill()
+
+
+def _answers(c) -> bool:
+    try:
+        c.health()
+        return True
+    except (TimeoutError, ConnectionError):
+        return False
