@@ -113,6 +113,13 @@ def test_unreachable_server_times_out(capsys):
     assert rc == 1 and "no answer" in err
 
 
+def test_client_exported_lazily():
+    r = subprocess.run([sys.executable, "-c", "import sys, kog_dist; assert 'zmq' not in sys.modules; "
+                        "from kog_dist import Client; import kog_dist.client as m; assert Client is m.Client"],
+                       capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+
+
 def test_kog_client_dispatch(server):
     r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "client", "--connect", server.endpoint, "health",
                         "--json"], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
