@@ -11,7 +11,8 @@ in microseconds for:
     barrier
 
 `--compute-us U` busy-waits U µs between layers (stand-in for a layer's math). `--transport cuda_ipc`
-exits 2: that transport is not built yet and needs a GPU.
+runs kccl.cuda_ipc.bench_main (fp16 device vectors: host calls, a persistent kernel, NCCL beside it;
+docs/kccl-gpu.md); it exits 2 where CuPy or a GPU is missing.
 """
 
 from __future__ import annotations
@@ -112,14 +113,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.transport == "cuda_ipc":
-        print("kccl.bench: transport 'cuda_ipc' is not built yet (it needs a GPU and CuPy); "
-              "use --transport shm", file=sys.stderr)
-        return 2
+        from .cuda_ipc import cupy_missing
+        why = cupy_missing()
+        if why is not None:
+            print(f"kccl.bench: transport 'cuda_ipc' is not built yet on this machine: it needs CuPy "
+                  f"and a CUDA GPU ({why}); use --transport shm", file=sys.stderr)
+            return 2
     if args.delta < 0 or args.iters < 1:
         print("kccl.bench: --delta must be >= 0 and --iters >= 1", file=sys.stderr)
         return 2
     if not under_mpi():
         return relaunch(args, argv)
+    if args.transport == "cuda_ipc":  # device buffers, host calls and a persistent kernel, NCCL beside
+        from .cuda_ipc import bench_main
+        return bench_main(args)
 
     from mpi4py import MPI
 

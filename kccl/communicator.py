@@ -89,9 +89,10 @@ class Communicator:
         (>= delta+1 for collects delta layers after the post). tags: the DTP tags post() accepts.
         timeout: default deadline (s) of every wait; math.inf waits forever (still sees dead peers).
         """
-        if transport == "cuda_ipc":
-            raise NotImplementedError("kccl transport 'cuda_ipc' is not built yet (it needs a GPU "
-                                      "and CuPy); use transport='shm'")
+        if transport == "cuda_ipc":  # kccl/cuda_ipc.py: device buffers, CUDA IPC windows
+            from .cuda_ipc import create_or_explain
+            return create_or_explain(mpi_comm, max_floats=max_floats, depth=depth, tags=tags,
+                                     timeout=timeout)
         if transport != "shm":
             raise ValueError(f"unknown kccl transport {transport!r} (known: 'shm', 'cuda_ipc')")
         if depth < 1 or max_floats < 1:
