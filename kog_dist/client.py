@@ -135,8 +135,16 @@ class Client:
         while self._mon.poll(0):               # disconnects before this request do not count
             self._mon.recv_multipart()
         rid = next(self._ids)
-        self._sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}))
+        self._send_on(self._sock, P.packb({"v": P.VERSION, "id": rid, **msg}))
         return rid
+
+    def _send_on(self, sock, data: bytes) -> None:
+        """Send, or ClientTimeout: a DEALER with no live connection (e.g. one a server refused) blocks."""
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout * 1000)))
+        try:
+            sock.send(data)
+        except zmq.Again:
+            raise ClientTimeout(f"cannot send to {self.endpoint} within {self.timeout:g} s (no connection)") from None
 
     def _recv(self, want_id, sock=None, timeout=None) -> dict:
         """The next message for request `want_id` (older requests' leftovers are skipped)."""
@@ -187,8 +195,8 @@ class Client:
                 msg["rid"] = rid
             if session is not None:
                 msg["session"] = session
-            s.send(P.packb(msg))
-            return self._recv(0, sock=s).get("cancelled", [])
+            self._send_on(s, P.packb(msg))
+            return self._recv(0, sock=s, timeout=min(self.timeout, 5.0)).get("cancelled", [])  # answered at once
         finally:
             s.close(0)
 

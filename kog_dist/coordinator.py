@@ -184,7 +184,8 @@ class Coordinator:
         self.endpoint, self.executor, self.tokenizer, self.cfg = endpoint, executor, tokenizer, cfg
         self.curve_keys, self.queue_limit, self.session_ttl_s = curve_keys, int(queue_limit), float(session_ttl_s)
         self.max_sessions, self.probe_s, self.heartbeat_s = max_sessions, probe_s, heartbeat_s
-        self.shutdown_grace_s, self.handle_signals, self.max_frame_bytes = shutdown_grace_s, handle_signals, max_frame_bytes
+        self.shutdown_grace_s, self.handle_signals = shutdown_grace_s, handle_signals
+        self.max_frame_bytes = max_frame_bytes
         self.log = log or (lambda msg: print(f"[coordinator] {msg}", file=sys.stderr, flush=True))
         self.vocab = getattr(cfg, "vocab_size", None)
         self.max_seq = int(executor.max_seq)
@@ -477,7 +478,8 @@ class Coordinator:
         if op == "open":
             self._expire_sessions()
             if len(self.sessions) >= self.max_sessions:
-                raise ProtocolError("too_many_sessions", f"{len(self.sessions)} sessions are open (limit {self.max_sessions})")
+                raise ProtocolError("too_many_sessions",
+                                    f"{len(self.sessions)} sessions are open (limit {self.max_sessions})")
             s = _Session(secrets.token_hex(8), req.get("ttl_s", self.session_ttl_s))
             self.sessions[s.sid] = s
             self.counts["sessions_opened"] += 1
@@ -535,13 +537,15 @@ class Coordinator:
         if self.vocab is not None and any(t >= self.vocab for t in req.get("stop_ids", ())):
             raise ProtocolError("bad_request", f"stop_ids hold an id >= vocab_size {self.vocab}")
         if session is None and len(new_ids) + (text_prompt and req.get("add_bos", True)) > self.max_seq:
-            raise ProtocolError("context_overflow", f"the prompt of {len(new_ids)} tokens does not fit max_seq {self.max_seq}")
+            raise ProtocolError("context_overflow",
+                                f"the prompt of {len(new_ids)} tokens does not fit max_seq {self.max_seq}")
         if session is None and not new_ids and not (text_prompt and req.get("add_bos", True) and self.bos is not None):
             raise ProtocolError("bad_request", "the prompt is empty")
         busy = self.active is not None or bool(self.queue)
         if busy and len(self.queue) >= self.queue_limit:
             self.counts["busy"] += 1
-            raise ProtocolError("busy", f"a decode is running and {len(self.queue)} requests are queued (limit {self.queue_limit})")
+            raise ProtocolError("busy", f"a decode is running and {len(self.queue)} requests are queued "
+                                        f"(limit {self.queue_limit})")
         r = _Req(next(self.rids), ident, envelope, req["id"], req["op"], req, new_ids, text_prompt, session)
         if session is not None:
             session.pending += 1
@@ -572,7 +576,8 @@ class Coordinator:
             ctx = base + new
             max_new = r.params["max_new_tokens"] if r.op == "generate" else 0
             if len(ctx) > self.max_seq:
-                self._fail(r, "context_overflow", f"the context of {len(ctx)} tokens does not fit max_seq {self.max_seq}")
+                self._fail(r, "context_overflow",
+                           f"the context of {len(ctx)} tokens does not fit max_seq {self.max_seq}")
                 continue
             if not ctx:
                 self._fail(r, "bad_request", "the context is empty: append or give a prompt first")

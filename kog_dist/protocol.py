@@ -214,7 +214,8 @@ def parse_request(msg: dict) -> dict:
     if not _is_int(v):
         raise ProtocolError("bad_request", f"v (the protocol version, {VERSION}) is required as an integer")
     if v != VERSION:
-        raise ProtocolError("unsupported_version", f"protocol version {v} is not supported; this server speaks {VERSION}")
+        raise ProtocolError("unsupported_version",
+                            f"protocol version {v} is not supported; this server speaks {VERSION}")
     op = msg.get("op")
     if not isinstance(op, str):
         raise ProtocolError("bad_request", "op is required as a string")

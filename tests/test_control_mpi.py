@@ -45,40 +45,51 @@ def _alive(pid) -> bool:
 
 
 class Job:
-    """`mpiexec -n N python -m workers --model M --control tcp://127.0.0.1:PORT ...` in its own session."""
+    """`mpiexec -n N python -m workers --model M --control ENDPOINT ...`, its own session; kill() ends
+    mpiexec, hydra's proxy and every rank (hydra puts each in a session of its own)."""
 
-    def __init__(self, model, n=2, extra=(), auto_cleanup=True):
+    def __init__(self, model, n=2, extra=(), auto_cleanup=True, bind=None, **client_kw):
         from mpi_helpers import find_mpiexec, mpi_env
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{port}"
         cmd = [find_mpiexec(), "-n", str(n)] + ([] if auto_cleanup else ["-disable-auto-cleanup"])
-        cmd += [sys.executable, "-m", "workers", "--model", model, "--control", self.endpoint, "--backend", "cpu",
-                "--bind", "none", *extra]
+        cmd += [sys.executable, "-m", "workers", "--model", model, "--control", bind % port if bind else self.endpoint,
+                "--backend", "cpu", "--bind", "none", *extra]
         self.log = tempfile.TemporaryFile(mode="w+")
+        self.pids, self.ranks = set(), {}
         self.p = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO_ROOT, start_new_session=True, stdout=self.log,
                                   stderr=subprocess.STDOUT, text=True)
-        with Client(self.endpoint, timeout=0.5) as c:
-            deadline = time.monotonic() + 90
-            while True:
-                try:
-                    c.health()
-                    break
-                except (TimeoutError, ConnectionError):
-                    if self.p.poll() is not None or time.monotonic() > deadline:
-                        self.kill()
-                        pytest.fail(f"the job did not come up:\n{self.output()}")
-        self.ranks = {}
+        try:
+            with Client(self.endpoint, timeout=0.5, **client_kw) as c:
+                deadline = time.monotonic() + 90
+                while True:
+                    self._scan()
+                    try:
+                        c.health()
+                        break
+                    except (TimeoutError, ConnectionError):
+                        if self.p.poll() is not None or time.monotonic() > deadline:
+                            pytest.fail(f"the job did not come up:\n{self.output()}")
+            self._scan()
+            assert sorted(self.ranks) == list(range(n)), (self.ranks, self.output())
+        except BaseException:
+            self.kill()
+            raise
+
+    def _scan(self):
         todo = [self.p.pid]
         while todo:
             for q in _children(todo.pop()):
                 todo.append(q)
+                self.pids.add(q)
                 try:
                     env = open(f"/proc/{q}/environ", "rb").read().split(b"\0")
+                    cmdline = open(f"/proc/{q}/cmdline", "rb").read()
                 except OSError:
                     continue
                 rank = [e for e in env if e.startswith(b"PMI_RANK=")]
-                if rank and b"workers" in open(f"/proc/{q}/cmdline", "rb").read():
+                if rank and b"workers" in cmdline:
                     self.ranks[int(rank[0].split(b"=")[1])] = q
-        assert sorted(self.ranks) == list(range(n)), (self.ranks, self.output())
 
     def output(self) -> str:
         self.log.seek(0)
@@ -95,13 +106,13 @@ class Job:
         if self.p.poll() is None:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait(10)
-        for pid in getattr(self, "ranks", {}).values():
+        for pid in self.pids | set(self.ranks.values()):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
     def assert_gone(self):
-        assert wait_until(lambda: not any(_alive(p) for p in self.ranks.values()), 10), \
-            f"ranks left behind: {self.ranks}\n{self.output()}"
+        assert wait_until(lambda: not any(_alive(p) for p in self.pids), 10), \
+            f"processes left behind: {[p for p in self.pids if _alive(p)]}\n{self.output()}"
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +152,8 @@ def test_generate_stream_and_cli_equal_reference(job, ref):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == ref.ids(PROMPT, 12, **SAMPLED)
     # a text prompt through the server equals `kog generate` in one process (same BOS rule)
-    got, want = (subprocess.run([sys.executable, "-m", "kog_dist.cli", *argv, "--prompt", "Hello", "-n", "10", "--json"],
-                                capture_output=True, text=True, timeout=60, cwd=REPO_ROOT) for argv in
+    got, want = (subprocess.run([sys.executable, "-m", "kog_dist.cli", *argv, "--prompt", "Hello", "-n", "10",
+                                 "--json"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT) for argv in
                  (["client", "--connect", job.endpoint, "generate"], ["generate", "--model", ref.model_dir,
                                                                       "--backend", "cpu"]))
     assert got.returncode == 0 and want.returncode == 0, (got.stderr, want.stderr)
@@ -284,34 +295,16 @@ def test_curve_job(model, ref, tmp_path):
     zmq.auth.create_certificates(str(keys), "server")
     cpub, csec = zmq.auth.create_certificates(str(keys), "client")
     os.rename(cpub, clients / "client.key")
-    port = free_port()
-    job = Job.__new__(Job)
-    job.endpoint = f"tcp://0.0.0.0:{port}"
-    from mpi_helpers import find_mpiexec, mpi_env
-    job.log = tempfile.TemporaryFile(mode="w+")
-    job.p = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, "-m", "workers", "--model", model,
-                              "--control", job.endpoint, "--backend", "cpu", "--bind", "none", "--allow-remote",
-                              "--curve-server-key", str(keys / "server.key_secret"), "--curve-clients", str(clients)],
-                             env=mpi_env(), cwd=REPO_ROOT, start_new_session=True, stdout=job.log,
-                             stderr=subprocess.STDOUT, text=True)
+    kw = dict(server_key=str(keys / "server.key"), client_key=csec)
+    job = Job(model, 2, ["--allow-remote", "--curve-server-key", str(keys / "server.key_secret"),
+                         "--curve-clients", str(clients)], bind="tcp://0.0.0.0:%d", **kw)
     try:
-        ep = f"tcp://127.0.0.1:{port}"
-        with Client(ep, timeout=0.5, server_key=str(keys / "server.key"), client_key=csec) as c:
-            assert wait_until(lambda: _answers(c), 90), job.output()
-            c.timeout = 30
+        with Client(job.endpoint, timeout=30, **kw) as c:
             assert c.generate(prompt_ids=PROMPT, max_new_tokens=6).token_ids == ref.ids(PROMPT, 6)
-            with Client(ep, timeout=0.5) as stranger, pytest.raises((TimeoutError, ConnectionError)):
+            with Client(job.endpoint, timeout=0.5) as stranger, pytest.raises((TimeoutError, ConnectionError)):
                 stranger.health()
             c.shutdown()
         assert job.wait(30) == 0, job.output()
+        job.assert_gone()
     finally:
-        job.ranks = {}
         job.kill()
-
-
-def _answers(c) -> bool:
-    try:
-        c.health()
-        return True
-    except (TimeoutError, ConnectionError):
-        return False
