@@ -53,6 +53,14 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | 
     }
 
 
+def default_blocks(cfg, sms: int) -> int:
+    """One block per SM, rounded down to a multiple of the lane count when that keeps >= 85% of the SMs:
+    then every block works on exactly one lane in every phase (no block straddles two lanes, no lane waits
+    for a straddling block). On the H200 (132 SMs, 8 lanes): 128 blocks, 698-701 against 656-667 tokens/s."""
+    nb = sms - sms % cfg.num_lanes
+    return nb if nb >= 0.85 * sms else sms
+
+
 def check_shape(cfg, dtype: str) -> None:
     """The kernel's layout rules, refused with a one-line reason."""
     vec = 4 if dtype == "F32" else 8
@@ -93,7 +101,7 @@ def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, pr
     import cupy as cp
     check_shape(cfg, dtype)
     if nblocks is None:
-        nblocks = cp.cuda.Device().attributes["MultiProcessorCount"]
+        nblocks = default_blocks(cfg, cp.cuda.Device().attributes["MultiProcessorCount"])
     defs = defines(cfg, dtype, nblocks, prefetch, extra)
     key = tuple(sorted(defs.items()))
     if key in _cache:
@@ -132,14 +140,14 @@ def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress:
     import subprocess
     import json
     import cupy as cp
-    if nblocks is None:
-        nblocks = cp.cuda.Device().attributes["MultiProcessorCount"]
     t0 = time.perf_counter()
     root = os.path.dirname(os.path.dirname(HERE))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(cfg.to_dict()), dt, str(nblocks),
-                               str(prefetch)], env=env) for cfg, dt in items]
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(cfg.to_dict()), dt,
+                               str(nblocks or default_blocks(cfg, sms)), str(prefetch)], env=env)
+             for cfg, dt in items]
     for p in procs:
         p.wait()
     if progress:
