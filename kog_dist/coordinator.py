@@ -1,5 +1,13 @@
 """The coordinator on rank 0: a ZMQ ROUTER control plane in front of one executor (docs/protocol.md).
 
+    coord = Coordinator("tcp://127.0.0.1:5555", executor, tokenizer, cfg, allow_remote=False,
+                        curve_keys=None, queue_limit=8, session_ttl_s=600)   # ControlError: refused
+    rc = coord.serve()   # 0 after SIGTERM/SIGINT or the shutdown op; 1 when the executor raised
+
+`executor` has the Backend interface of docs/interfaces.md (run, num_slots, max_seq); serve() never
+closes it. Call serve() from the main thread so it can take SIGTERM/SIGINT (drain and return 0) and
+SIGUSR1 (MPICH hydra's word that a rank died); `check_endpoint` refuses a bad --control up front.
+
 Threads: the socket loop (the thread that calls ``serve()``) owns the ROUTER socket, the queue, the
 sessions and the slot table; one decode thread calls ``executor.run(cmd, on_token)`` for one request
 at a time and hands tokens back through a lock-protected buffer plus an inproc wake-up socket. Every
