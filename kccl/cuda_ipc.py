@@ -370,14 +370,13 @@ class CudaCommunicator:
         self.peers = [(rec["pid"], rec["starttime"]) for rec in records]
         self.bus_ids = [rec["bus_id"] for rec in records]
         self.bases = bases
-        words = lay.dev_words(bases, self.rank, self._host, self._host + 64, int(self.timeout * 1e9))
+        words = lay.dev_words(bases, self.rank, self._host, self._host + 64, int(min(self.timeout, 1e9) * 1e9))
         self._dev = cp.asarray(words)
         self.dev_ptr = int(self._dev.data.ptr)
         self._mod = _module()
         self._k_op = self._mod.get_function("kccl_op")
         self._k_rounds = self._mod.get_function("kccl_test_rounds")
         self._k_peek = self._mod.get_function("kccl_peek")
-        self._stream = cp.cuda.Stream(non_blocking=True)
         self._error = None
         self.closed = False
         rdv.barrier()  # every rank opened every window before anyone may write into them
@@ -546,6 +545,13 @@ class CudaCommunicator:
             except Exception:  # noqa: BLE001
                 pass
             self._host = 0
+
+    @property
+    def _stream(self):
+        """Launches go to the caller's current CuPy stream (ordered with the copies that made the inputs)."""
+        import cupy as cp
+
+        return cp.cuda.get_current_stream()
 
     @staticmethod
     def _cp():
