@@ -457,6 +457,49 @@ class CudaCommunicator:
         ch = self._tag(tag)
         return ch.send_epoch - ch.collected
 
+    # -- for a kernel of the caller (the monokernel) that posts/collects through kccl.cuh itself --
+    def channel(self, tag: str) -> int:
+        """The channel id `c` a kernel passes to kccl_post/kccl_wait for `tag` (tags in create order: 1, 2...)."""
+        return self._tag(tag).id
+
+    def next_epoch(self, tag: str) -> int:
+        """The epoch the next post of `tag` must use (a kernel's first epoch on this tag)."""
+        ch = self._tag(tag)
+        if ch.send_epoch != ch.collected:
+            raise KcclError(f"{tag!r} has {ch.send_epoch - ch.collected} uncollected host posts")
+        return ch.send_epoch + 1
+
+    def advance(self, tag: str, count: int) -> None:
+        """Record that a kernel posted and collected `count` epochs of `tag` (every rank the same)."""
+        ch = self._tag(tag)
+        ch.send_epoch += count
+        ch.collected = ch.send_epoch
+
+    def watch(self) -> int | None:
+        """Call every ~0.1 s while a kernel of yours runs: if a peer process died, raise the abort word
+        (every kccl wait in the kernel gives up, status KCCL_ERR_ABORTED) and return its rank."""
+        dead = self._dead_peer()
+        if dead is not None and not self._abort.value:
+            self._abort.value = 1
+            self._lost = dead
+        return dead
+
+    def raise_for_status(self, what: str = "kernel") -> None:
+        """After a kernel of yours ended: raise PeerLost/KcclTimeout/KcclError if a kccl wait failed."""
+        if self._status[0] or self._abort.value:
+            dead = getattr(self, "_lost", None)
+            if dead is None:
+                dead = self._dead_peer()
+            if dead is not None:
+                pid = self.peers[dead][0]
+                err = PeerLost(f"rank {dead} (pid {pid}) exited (noticed by rank {self.rank} in {what})",
+                               rank=dead, pid=pid)
+            else:
+                cls, msg = describe_status(self._status, self.layout.channels, self.timeout)
+                err = cls(f"{msg} (in {what})")
+            self._error = err
+            raise err
+
     def peek(self, channel: int = COLL) -> tuple[list[int], list[int]]:
         """(flags, acks) of `channel` in this rank's window (tests)."""
         cp = self._cp()
@@ -635,22 +678,8 @@ class CudaCommunicator:
                 time.sleep(sleep)
             if now > next_check:
                 next_check = now + 0.1
-                dead = self._dead_peer()
-                if dead is not None and not self._abort.value:
-                    self._abort.value = 1  # the kernel gives up its wait within ~1k polls
-                    self._lost = dead
-        code = self._status[0]
-        if code or self._abort.value:
-            dead = getattr(self, "_lost", None) or self._dead_peer()
-            if dead is not None:
-                pid = self.peers[dead][0]
-                err = PeerLost(f"rank {dead} (pid {pid}) exited (noticed by rank {self.rank} in {what})",
-                               rank=dead, pid=pid)
-            else:
-                cls, msg = describe_status(self._status, self.layout.channels, self.timeout)
-                err = cls(f"{msg} (in {what})")
-            self._error = err
-            raise err
+                self.watch()
+        self.raise_for_status(what)
 
     def _dead_peer(self):
         for r, (pid, start) in enumerate(self.peers):

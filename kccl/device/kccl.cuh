@@ -200,12 +200,23 @@ __device__ __forceinline__ bool kccl_post_begin(const KcclDev& d, int c, kccl_u6
   return kccl_block_ok(ok);
 }
 // copy bytes [off, off + nbytes) of this rank's payload (src points at byte 0 of the payload) into
-// its slot of epoch e in every rank's window (own included). off must be a multiple of 16.
+// its slot of epoch e in every rank's window (own included). 16-byte stores when src + off is 16-byte
+// aligned (src 16-aligned and off a multiple of 16), else 4-byte words (off, nbytes multiples of 4),
+// else bytes.
 __device__ __forceinline__ void kccl_post_chunk(const KcclDev& d, int c, kccl_u64 e, const void* src,
                                                 long long off, long long nbytes) {
   const int me = (int)d.rank, n = (int)d.nranks;
   const char* s = (const char*)src + off;
-  const long long nv = nbytes >> 4;
+  const bool vec = ((unsigned long long)s & 15) == 0 && (off & 15) == 0;
+  if (!vec && (((unsigned long long)s | (unsigned long long)off | (unsigned long long)nbytes) & 3) == 0) {
+    for (long long i = threadIdx.x; i < (nbytes >> 2); i += blockDim.x) {
+      const unsigned v = *(volatile const unsigned*)(s + 4 * i);
+      for (int r = 0; r < n; ++r)
+        *(unsigned*)(kccl_slot_meta(d, r, c, me, e) + KCCL_META_BYTES + off + 4 * i) = v;
+    }
+    return;
+  }
+  const long long nv = vec ? nbytes >> 4 : 0;
   for (long long i = threadIdx.x; i < nv; i += blockDim.x) {
     const uint4 v = kccl_ld_cg(s + 16 * i);
     for (int r = 0; r < n; ++r)
