@@ -43,16 +43,23 @@ def log(msg: str) -> None:
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     try:
-        return run(a)
+        rc = run(a)
     except KeyboardInterrupt:
-        return 130
+        rc = 130
     except Exception as e:  # one line per rank, never a traceback (KOG_DEBUG=1 shows it)
         if os.environ.get("KOG_DEBUG"):
             raise
         rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "?"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kog-worker: error: rank {rank}: {msg}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ValueError) else 1
+        rc = 2 if isinstance(e, ValueError) else 1
+    if rc != 0:
+        # MPI_Finalize at interpreter exit waits for every rank; after a failure some may be gone,
+        # so leave without it rather than hang.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def run(a) -> int:
@@ -69,6 +76,10 @@ def run(a) -> int:
     model = a.model or world.bcast(model, root=0)   # bootstrap only: a path string
     cfg = load_config(model)
     lanes = cfg.lanes_of_rank(rank, size)            # refuses N not dividing num_lanes, before any weight
+    if rank == 0 and not a.oneshot:                  # and so does an endpoint rank 0 may not bind
+        from kog_dist.coordinator import CurveKeys, check_endpoint
+        keys = CurveKeys(a.curve_server_key, a.curve_clients) if a.curve_server_key else None
+        check_endpoint(a.control, a.allow_remote, keys)
     placed = _place(a, info)
 
     import kccl
