@@ -50,9 +50,6 @@
 #ifndef CFG_SPIN_NS
 #define CFG_SPIN_NS 0       // back-off between polls of a counter (0: spin)
 #endif
-#ifndef CFG_PRELOAD
-#define CFG_PRELOAD 1       // each warp loads its first row batch into registers before the block waits
-#endif
 #ifndef CFG_PF_ATT
 #define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)
 #endif
@@ -79,7 +76,6 @@ constexpr int NB = CFG_NB, NT = 512, NW = NT / 32;
 constexpr int PF = CFG_PF;
 constexpr long long PF_ATT = CFG_PF_ATT;
 constexpr int PFS = CFG_PFS;
-constexpr bool PRELOAD = CFG_PRELOAD;
 constexpr float EPS = CFG_EPS;
 static_assert(H % L == 0 && KV % L == 0 && F % L == 0 && H % KV == 0, "lane divisibility");
 static_assert(HD % 2 == 0, "RoPE needs an even head_dim");

@@ -141,38 +141,12 @@ __device__ float block_sum(float v, float* red) {
 
 // NR rows of K columns starting at w (row stride K), dotted with xs (shared, K floats); rows >= nvalid
 // are not read. All lanes get the NR sums.
-template <bool B>
-struct BoolT {
-  static constexpr bool v = B;
-};
-template <int NR, int K>
-struct DotShape {
-  static constexpr int NCHK = K / VEC;
-  static constexpr int CPL = (NCHK + 31) / 32;
-  static constexpr int UB0 = CFG_UBMAX / NR;
-  static constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
-};
-// the first batch of a warp's row loads, issued early (before the block waits for its inputs)
-template <int NR, int K>
-__device__ __forceinline__ void warp_preload(const wt* __restrict__ w, int nvalid, uint4 (&wv)[NR][DotShape<NR, K>::UB]) {
-  using S = DotShape<NR, K>;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int r = 0; r < NR; ++r)
-#pragma unroll
-    for (int u = 0; u < S::UB; ++u) {
-      const int c = u * 32 + lane;
-      if (u < S::CPL && c < S::NCHK && r < nvalid) wv[r][u] = ldw(w + (long long)r * K + (long long)c * VEC);
-      else wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
-    }
-}
-// NR rows of K columns starting at w (row stride K), dotted with xs (shared, K floats); rows >= nvalid
-// are not read. All lanes get the NR sums. PRE: the first batch is already in pre (warp_preload).
-template <int NR, int K, bool SMEM = false, bool PRE = false>
-__device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out,
-                                         const uint4 (&pre)[NR][DotShape<NR, K>::UB]) {
-  using S = DotShape<NR, K>;
-  constexpr int NCHK = S::NCHK, CPL = S::CPL, UB = S::UB;
+template <int NR, int K, bool SMEM = false>
+__device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
+  constexpr int NCHK = K / VEC;
+  constexpr int CPL = (NCHK + 31) / 32;
+  constexpr int UB0 = CFG_UBMAX / NR;
+  constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
   const int lane = threadIdx.x & 31;
   float acc[NR];
 #pragma unroll
@@ -185,9 +159,7 @@ __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, c
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
         const int c = (b0 + u) * 32 + lane;
-        if (PRE && b0 == 0)
-          wv[r][u] = pre[r][u];
-        else if (b0 + u < CPL && c < NCHK && r < nvalid)
+        if (b0 + u < CPL && c < NCHK && r < nvalid)
           wv[r][u] = SMEM ? *reinterpret_cast<const uint4*>(w + (long long)r * K + (long long)c * VEC)
                           : ldw(w + (long long)r * K + (long long)c * VEC);
         else
@@ -203,11 +175,6 @@ __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, c
   }
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
-}
-template <int NR, int K, bool SMEM = false>
-__device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
-  uint4 none[NR][DotShape<NR, K>::UB];
-  warp_dot<NR, K, SMEM, false>(w, nvalid, xs, out, none);
 }
 
 // residual of lane l at version s, element d, where version s is in memory (or is the embedding)
@@ -230,7 +197,7 @@ __device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int 
 // reduction; the writer lanes (bit k of wmask) also store a consumer-computed version to memory
 constexpr int MAXL = L < 8 ? L : 8;
 constexpr int DPT = (D + NT - 1) / NT;
-__device__ __forceinline__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, const float* g, int tok,
+__device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, const float* g, int tok,
                             unsigned wmask, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int kb = 0; kb < nl; kb += MAXL) {
@@ -296,7 +263,7 @@ __device__ __forceinline__ unsigned writer_mask(int l0, int l1, int upl, int ua,
 __device__ __forceinline__ bool has_delayed(int i) {
   return USE_COMM && L > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE);
 }
-__device__ __forceinline__ void stage_combine(const Params& p, float* cb, int i, int kind, int ua, int ub, int nr, int upl, int tok) {
+__device__ void stage_combine(const Params& p, float* cb, int i, int kind, int ua, int ub, int nr, int upl, int tok) {
   const int s = 2 * i + 1 + kind;
   if (!fused_step(s)) return;
   const int n = (ub - ua) * nr;
@@ -359,7 +326,7 @@ __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl
 }
 
 // ---- phases ------------------------------------------------------------------------------------
-__device__ __noinline__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {
+__device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {
   int ua, ub;
   const int ph = 5 * i;
   tmark(p, n, ph, 0);
@@ -369,10 +336,6 @@ __device__ __noinline__ void phase_qkv(const Params& p, float* sm, int n, int i,
   if (!prefilled)
     prefetch_l2(W + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV * sizeof(wt), PF);
   if (ua >= ub) return;
-  const int u0 = ua + (int)(threadIdx.x >> 5);
-  uint4 pre[2][DotShape<2, D>::UB];
-  const bool has_pre = PRELOAD && u0 < ub && u0 - ua >= nbuf;
-  if (has_pre) warp_preload<2, D>(W + (long long)u0 * UE_QKV, 2, pre);
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i;
@@ -387,7 +350,7 @@ __device__ __noinline__ void phase_qkv(const Params& p, float* sm, int n, int i,
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
               writer_mask(l0, l1, UPL_QKV, ua, ub), red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto body = [&](int u, auto tag) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
     int r = row, region = 0;
     if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
@@ -396,7 +359,6 @@ __device__ __noinline__ void phase_qkv(const Params& p, float* sm, int n, int i,
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_QKV, 2, sm + (l - l0) * D, acc);
-    else if (decltype(tag)::v) warp_dot<2, D, false, true>(W + (long long)u * UE_QKV, 2, sm + (l - l0) * D, acc, pre);
     else warp_dot<2, D>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
       float x0 = acc[0], x1 = acc[1];
@@ -414,9 +376,7 @@ __device__ __noinline__ void phase_qkv(const Params& p, float* sm, int n, int i,
         c[0] = f2w(x0); c[1] = f2w(x1);
       }
     }
-  };
-  if (has_pre) body(u0, BoolT<true>{});
-  for (int u = has_pre ? u0 + NW : u0; u < ub; u += NW) body(u, BoolT<false>{});
+  }
   signal_lanes(p, C_QKV, UPL_QKV, ua, ub);
   tmark(p, n, ph, 2);
 }
@@ -558,7 +518,7 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
   tmark(p, n, ph, 2);
 }
 
-__device__ __noinline__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
+__device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
   const int ph = 5 * i + 2;
   tmark(p, n, ph, 0);
@@ -566,10 +526,6 @@ __device__ __noinline__ void phase_wo(const Params& p, float* sm, int n, int i, 
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
   if (ua >= ub) return;
-  const int u0 = ua + (int)(threadIdx.x >> 5);
-  uint4 pre[NR_WO][DotShape<NR_WO, HDL>::UB];
-  const bool has_pre = PRELOAD && u0 < ub && u0 - ua >= nbuf;
-  if (has_pre) warp_preload<NR_WO, HDL>(W + (long long)u0 * UE_WO, NR_WO, pre);
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   float* cb = sm + SM_STAGE;
   if (threadIdx.x == 0) {
@@ -610,25 +566,21 @@ __device__ __noinline__ void phase_wo(const Params& p, float* sm, int n, int i, 
   cp_async_wait_all();
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto body = [&](int u, auto tag) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
     float acc[NR_WO];
     if (u - ua < nbuf)
       warp_dot<NR_WO, HDL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_WO, NR_WO, sm + (l - l0) * HDL, acc);
-    else if (decltype(tag)::v)
-      warp_dot<NR_WO, HDL, false, true>(W + (long long)u * UE_WO, NR_WO, sm + (l - l0) * HDL, acc, pre);
     else
       warp_dot<NR_WO, HDL>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
     if (lane < NR_WO)
       combine_finish(p, i, 0, l, r0 + lane, pick(acc, NR_WO, lane), cb + 2 * ((u - ua) * NR_WO + lane));
-  };
-  if (has_pre) body(u0, BoolT<true>{});
-  for (int u = has_pre ? u0 + NW : u0; u < ub; u += NW) body(u, BoolT<false>{});
+  }
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
   tmark(p, n, ph, 2);
 }
 
-__device__ __noinline__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
+__device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
   const int ph = 5 * i + 3;
   tmark(p, n, ph, 0);
@@ -637,10 +589,6 @@ __device__ __noinline__ void phase_w13(const Params& p, float* sm, int n, int i,
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
   if (ua >= ub) return;
-  const int u0 = ua + (int)(threadIdx.x >> 5);
-  uint4 pre[2][DotShape<2, D>::UB];
-  const bool has_pre = PRELOAD && u0 < ub && u0 - ua >= nbuf;
-  if (has_pre) warp_preload<2, D>(W + (long long)u0 * UE_W13, 2, pre);
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i + 1;
@@ -655,21 +603,18 @@ __device__ __noinline__ void phase_w13(const Params& p, float* sm, int n, int i,
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
               writer_mask(l0, l1, UPL_W13, ua, ub), red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto body = [&](int u, auto tag) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
-    else if (decltype(tag)::v) warp_dot<2, D, false, true>(W + (long long)u * UE_W13, 2, sm + (l - l0) * D, acc, pre);
     else warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
-  };
-  if (has_pre) body(u0, BoolT<true>{});
-  for (int u = has_pre ? u0 + NW : u0; u < ub; u += NW) body(u, BoolT<false>{});
+  }
   signal_lanes(p, C_W13, UPL_W13, ua, ub);
   tmark(p, n, ph, 2);
 }
 
-__device__ __noinline__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
+__device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
   const int ph = 5 * i + 4;
   tmark(p, n, ph, 0);
@@ -678,10 +623,6 @@ __device__ __noinline__ void phase_w2(const Params& p, float* sm, int n, int i, 
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
   if (ua >= ub) return;
-  const int u0 = ua + (int)(threadIdx.x >> 5);
-  uint4 pre[NR_W2][DotShape<NR_W2, FL>::UB];
-  const bool has_pre = PRELOAD && u0 < ub && u0 - ua >= nbuf;
-  if (has_pre) warp_preload<NR_W2, FL>(W + (long long)u0 * UE_W2, NR_W2, pre);
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
   float* cb = sm + SM_STAGE;
   if (threadIdx.x == 0) {
@@ -700,20 +641,16 @@ __device__ __noinline__ void phase_w2(const Params& p, float* sm, int n, int i, 
   cp_async_wait_all();
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto body = [&](int u, auto tag) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
     float acc[NR_W2];
     if (u - ua < nbuf)
       warp_dot<NR_W2, FL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W2, NR_W2, sm + (l - l0) * FL, acc);
-    else if (decltype(tag)::v)
-      warp_dot<NR_W2, FL, false, true>(W + (long long)u * UE_W2, NR_W2, sm + (l - l0) * FL, acc, pre);
     else
       warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
     if (lane < NR_W2)
       combine_finish(p, i, 1, l, r0 + lane, pick(acc, NR_W2, lane), cb + 2 * ((u - ua) * NR_W2 + lane));
-  };
-  if (has_pre) body(u0, BoolT<true>{});
-  for (int u = has_pre ? u0 + NW : u0; u < ub; u += NW) body(u, BoolT<false>{});
+  }
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
   tmark(p, n, ph, 2);
 }
@@ -811,7 +748,7 @@ __device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter)
 }
 
 // returns false when the generation ends with this token
-__device__ __noinline__ void phase_lm(const Params& p, float* sm, int n, int tok) {
+__device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;
   tmark(p, n, 5 * NL, 0);
   brange(U_LM, ua, ub);
@@ -826,10 +763,6 @@ __device__ __noinline__ void phase_lm(const Params& p, float* sm, int n, int tok
   __shared__ int last;
   float best = NEG_INF;
   int besti = 0x7fffffff;
-  const int u0 = ua + warp;
-  uint4 pre[2][DotShape<2, D>::UB];
-  const bool has_pre = PRELOAD && u0 < ub && u0 - ua >= nbuf;
-  if (has_pre) warp_preload<2, D>(p.lm + (long long)u0 * UE_LM, min(2, V - 2 * u0), pre);
   if (ua < ub) {
     if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
@@ -842,13 +775,11 @@ __device__ __noinline__ void phase_lm(const Params& p, float* sm, int n, int tok
       y[d] = a / (float)L;
     }
     __syncthreads();
-    auto body = [&](int u, auto tag) {
+    for (int u = ua + warp; u < ub; u += NW) {
       const int r0 = 2 * u;
       float acc[2];
       if (u - ua < nbuf)
         warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_LM, min(2, V - r0), y, acc);
-      else if (decltype(tag)::v)
-        warp_dot<2, D, false, true>(p.lm + (long long)r0 * D, min(2, V - r0), y, acc, pre);
       else
         warp_dot<2, D>(p.lm + (long long)r0 * D, min(2, V - r0), y, acc);
       if (lane == 0) {
@@ -860,9 +791,7 @@ __device__ __noinline__ void phase_lm(const Params& p, float* sm, int n, int tok
             if (acc[r] > best) { best = acc[r]; besti = r0 + r; }
           }
       }
-    };
-    if (has_pre) body(u0, BoolT<true>{});
-    for (int u = has_pre ? u0 + NW : u0; u < ub; u += NW) body(u, BoolT<false>{});
+    }
   }
   if (lane == 0) { bv[warp] = best; bi[warp] = besti; }
   __syncthreads();
