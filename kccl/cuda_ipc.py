@@ -280,6 +280,17 @@ class _Chan:
         self.collected = 0
 
 
+class _Closer:
+    """What the shm cleanup registry (atexit, signal handlers, close_all) closes: close(), never the
+    collective shutdown() (peers may be gone or busy)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def close(self):
+        self.comm.close()
+
+
 class CudaCommunicator:
     """Ranks on GPUs of one host exchanging device buffers through CUDA IPC windows.
 
@@ -289,6 +300,7 @@ class CudaCommunicator:
 
     def __init__(self):
         self.closed = True  # until create() finishes
+        self._closer = None
         self._own = 0
         self._opened: list[int] = []
         self._host = 0
@@ -380,7 +392,8 @@ class CudaCommunicator:
         self._error = None
         self.closed = False
         rdv.barrier()  # every rank opened every window before anyone may write into them
-        register(self)
+        self._closer = _Closer(self)
+        register(self._closer)
         return self
 
     # ---- public --------------------------------------------------------------------------------
@@ -540,25 +553,39 @@ class CudaCommunicator:
         ch.send_epoch = ch.collected = first + rounds - 1
         return out, times.get()
 
+    def shutdown(self) -> None:
+        """Clean, collective close: wait for this rank's kernels, meet every rank on the host (the
+        rendezvous: MPI barrier), then close. Needed because a peer's last kernel may still write an
+        ack into this rank's window after this rank's last op returned. `with` ends with this when no
+        error occurred. After an error use close() (a peer may be gone)."""
+        if self.closed:
+            return
+        if self._error is None:
+            import cupy as cp
+
+            cp.cuda.runtime.deviceSynchronize()
+            self._rdv.barrier()
+        self.close()
+
     def close(self) -> None:
-        """Close peers' IPC mappings and free this rank's window. Idempotent. For a clean shutdown call
-        barrier() first (a peer must not still write into a freed window); `with` does."""
+        """Close peers' IPC mappings and free this rank's window now. Idempotent, not collective: every
+        rank must be done with its kernels first (shutdown() does that), else a peer still writing
+        into a freed window is undefined behaviour. Also run at exit for communicators not closed."""
         if self.closed and not self._own and not self._opened and not self._host:
             return
         self.closed = True
-        unregister(self)
+        if self._closer is not None:
+            unregister(self._closer)
         self._free()
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None and not self.closed and self._error is None:
-            try:
-                self.barrier()
-            except KcclError:
-                pass
-        self.close()
+        if exc_type is None and self._error is None:
+            self.shutdown()
+        else:
+            self.close()
 
     # ---- internals -----------------------------------------------------------------------------
     def _free(self) -> None:

@@ -32,7 +32,7 @@ assert float(c.allreduce(x)[0]) == 3.0
 c.barrier()
 o, t = c.run_rounds('t', cp.ones((1, 3072), cp.float16), 100)
 assert float(o[0, 0]) == 2.0, o
-c.barrier(); c.close(); print('SMOKE OK', w.rank)"
+c.shutdown(); print('SMOKE OK', w.rank)"
    if [ $? -ne 0 ] && [ $MPS = 1 ]; then log "smoke failed under MPS: retrying without MPS"; echo quit | nvidia-cuda-mps-control; MPS=0
       run smoke_nomps 60 $MPI -n 2 python3 -c "import sys; sys.exit(0)"; fi ;;
 tests) run test_cpu 120 python3 -m pytest -q tests/test_kccl_cuda.py

@@ -1,0 +1,561 @@
+"""kccl cuda_ipc host code on the CPU, against a fake `cupy` (no GPU needed).
+
+The fake gives "device" memory as plain host memory (ctypes buffers, so pointers are real addresses),
+IPC handles that encode the address (ranks are threads of this process), and a Python model of the
+kernels in kccl/device/kccl_ops.cu and kccl_test.cu (one block; the multi-block arrival logic is
+covered by test_kccl_cuda.py's protocol model). Every launch is checked against the kernel's C
+signature (count and kind of each argument), so the host code's argument lists are tested too.
+What this checks: create (allocation, record exchange, opening, header check, votes), epochs of the
+host collectives and the DTP tags, the persistent-kernel bookkeeping, status words -> exceptions,
+peer-death handling, and that close() releases every allocation and mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from kccl import cuda_ipc as K
+from kccl.errors import KcclError, KcclTimeout, PeerLost
+from kccl.rendezvous import FileRendezvous
+
+
+# ---- fake memory and runtime ---------------------------------------------------------------------
+class _Mem:
+    def __init__(self):
+        self.bufs = {}
+        self.lock = threading.Lock()
+        self.opened = {}   # thread id -> open count
+        self.freed_while_open = 0
+
+    def alloc(self, size):
+        buf = ctypes.create_string_buffer(size + 256)
+        addr = (ctypes.addressof(buf) + 255) // 256 * 256
+        with self.lock:
+            self.bufs[addr] = buf
+        return addr
+
+    def free(self, addr):
+        with self.lock:
+            del self.bufs[addr]
+
+
+MEM = _Mem()
+
+
+def u64(addr):
+    return ctypes.c_uint64.from_address(addr)
+
+
+def i32(addr):
+    return ctypes.c_int.from_address(addr)
+
+
+class _Runtime:
+    memcpyHostToDevice, memcpyDeviceToHost = 1, 2
+
+    malloc = staticmethod(MEM.alloc)
+    free = staticmethod(MEM.free)
+    hostAlloc = staticmethod(lambda size, flags: MEM.alloc(size))
+    freeHost = staticmethod(MEM.free)
+
+    @staticmethod
+    def memset(ptr, value, size):
+        ctypes.memset(ptr, value, size)
+
+    @staticmethod
+    def memcpy(dst, src, size, kind):
+        ctypes.memmove(dst, src, size)
+
+    @staticmethod
+    def ipcGetMemHandle(ptr):
+        assert ptr in MEM.bufs, "handle of a pointer that is not an allocation's base"
+        return struct.pack("<Q", ptr) + b"\x07" * 56
+
+    @staticmethod
+    def ipcOpenMemHandle(handle, flags=1):
+        ptr = struct.unpack("<Q", handle[:8])[0]
+        assert ptr in MEM.bufs
+        with MEM.lock:
+            MEM.opened[threading.get_ident()] = MEM.opened.get(threading.get_ident(), 0) + 1
+        return ptr
+
+    @staticmethod
+    def ipcCloseMemHandle(ptr):
+        with MEM.lock:
+            MEM.opened[threading.get_ident()] -= 1
+
+    deviceGetPCIBusId = staticmethod(lambda dev: "0000:FA:00.0")
+    getDeviceCount = staticmethod(lambda: 1)
+    deviceSynchronize = staticmethod(lambda: None)
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class FakeArray:
+    def __init__(self, arr: np.ndarray):
+        self._keep = MEM.alloc(max(arr.nbytes, 1))
+        self.a = np.ndarray(arr.shape, arr.dtype,
+                            buffer=(ctypes.c_char * max(arr.nbytes, 1)).from_address(self._keep))
+        self.a[...] = arr
+        self.data = types.SimpleNamespace(ptr=self._keep)
+        self.flags = _Flags()
+
+    shape = property(lambda s: s.a.shape)
+    dtype = property(lambda s: s.a.dtype)
+    nbytes = property(lambda s: s.a.nbytes)
+    ndim = property(lambda s: s.a.ndim)
+
+    def get(self):
+        return self.a.copy()
+
+    def astype(self, dt):
+        return FakeArray(self.a.astype(dt))
+
+    def copy(self):
+        return FakeArray(self.a)
+
+    def __getitem__(self, k):
+        return self.a[k]
+
+
+def _asarray(x, dtype=None):
+    if isinstance(x, FakeArray):
+        return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+    return FakeArray(np.asarray(x, dtype=dtype))
+
+
+# ---- kernels: argument check against the C signature, then a Python model ------------------------
+def _signatures():
+    src = K.device_source()
+    sigs = {}
+    for m in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src):
+        params = [p.strip() for p in m.group(2).replace("\n", " ").split(",")]
+        sigs[m.group(1)] = params
+    return sigs
+
+
+SIGS = _signatures()
+
+
+def _check_args(name, args):
+    params = SIGS[name]
+    assert len(args) == len(params), f"{name}: {len(args)} args for {len(params)} parameters"
+    for a, p in zip(args, params):
+        if "*" in p:
+            assert isinstance(a, (FakeArray, np.uint64)), f"{name}: {p} got {type(a)}"
+        elif p.startswith("int "):
+            assert isinstance(a, np.int32), f"{name}: {p} got {type(a)}"
+        elif p.startswith("long long"):
+            assert isinstance(a, np.int64), f"{name}: {p} got {type(a)}"
+        elif p.startswith("unsigned long long"):
+            assert isinstance(a, np.uint64), f"{name}: {p} got {type(a)}"
+        else:
+            raise AssertionError(f"{name}: unexpected parameter {p}")
+
+
+def _ptr(a):
+    return a.data.ptr if isinstance(a, FakeArray) else int(a)
+
+
+class Dev:
+    """kccl.cuh's KcclDev read from memory, and the protocol in Python (one block)."""
+
+    def __init__(self, dp):
+        w = [u64(dp + 8 * i).value for i in range(K.DEV_WORDS)]
+        self.base = w[:8]
+        self.rank, self.n, self.nch, self.slot_bytes, self.payload = w[8:13]
+        self.off_flags, self.off_acks, self.off_cnt, self.status, self.abort, self.timeout_ns, magic = w[13:20]
+        assert magic == K.MAGIC
+        self.depth, self.slot_off = w[20:28], w[28:36]
+
+    def flag(self, dst, c, src):
+        return self.base[dst] + self.off_flags + (c * self.n + src) * 128
+
+    def ack(self, owner, c, by):
+        return self.base[owner] + self.off_acks + (c * self.n + by) * 128
+
+    def meta(self, dst, c, src, e):
+        return self.base[dst] + self.slot_off[c] + (src * self.depth[c] + e % self.depth[c]) * self.slot_bytes
+
+    def failed(self):
+        return i32(self.base[self.rank] + 256).value != 0
+
+    def fail(self, code, peer, c, e, seen):
+        w = i32(self.base[self.rank] + 256)
+        if w.value:
+            return
+        w.value = code
+        for k, v in enumerate((self.rank, peer, c, e, seen, 0), start=1):
+            i32(self.status + 4 * k).value = v
+        i32(self.status).value = code
+
+    def spin_ge(self, addr, target, code, peer, c, e):
+        t0 = time.monotonic_ns()
+        while u64(addr).value < target:
+            if i32(self.abort).value:
+                self.fail(K.ERR_ABORTED, peer, c, e, u64(addr).value)
+                return False
+            if self.failed():
+                return False
+            if time.monotonic_ns() - t0 > self.timeout_ns:
+                self.fail(code, peer, c, e, u64(addr).value)
+                return False
+            time.sleep(1e-5)
+        return True
+
+    def post(self, c, e, src, nbytes, op):
+        if e > self.depth[c]:
+            for r in range(self.n):
+                if not self.spin_ge(self.ack(self.rank, c, r), e - self.depth[c], K.ERR_TIMEOUT_ACK, r, c, e):
+                    return False
+        for r in range(self.n):
+            m = self.meta(r, c, self.rank, e)
+            if nbytes:
+                ctypes.memmove(m + 64, src, nbytes)
+            u64(m).value = e
+            u64(m + 8).value = (op << 32) | nbytes
+        for r in range(self.n):
+            u64(self.flag(r, c, self.rank)).value = e
+        return True
+
+    def wait(self, c, e):
+        return all(self.spin_ge(self.flag(self.rank, c, s), e, K.ERR_TIMEOUT_FLAG, s, c, e) for s in range(self.n))
+
+    def check_meta(self, c, e, op, nbytes):
+        for s in range(self.n):
+            m = self.meta(self.rank, c, s, e)
+            me, w = u64(m).value, u64(m + 8).value
+            if me != e:
+                self.fail(K.ERR_EPOCH, s, c, e, me)
+                return False
+            if w >> 32 != op:
+                self.fail(K.ERR_OP_MISMATCH, s, c, e, w >> 32)
+                return False
+            if nbytes >= 0 and w & 0xFFFFFFFF != nbytes:
+                self.fail(K.ERR_SIZE_MISMATCH, s, c, e, w & 0xFFFFFFFF)
+                return False
+        return True
+
+    def payload_of(self, c, s, e, dtype, count):
+        addr = self.meta(self.rank, c, s, e) + 64
+        return np.ndarray((count,), dtype, buffer=(ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(addr))
+
+    def ranksum(self, c, e, dtype, count):
+        acc = self.payload_of(c, 0, e, dtype, count).astype(np.float32)
+        for s in range(1, self.n):
+            acc = acc + self.payload_of(c, s, e, dtype, count).astype(np.float32)
+        return acc
+
+    def ack_all(self, c, e):
+        for s in range(self.n):
+            u64(self.ack(s, c, self.rank)).value = e
+
+
+def k_op(args):
+    dp, c, e, op, mode, root, src, send, dst, nbytes, dtype, expect = (
+        _ptr(args[0]), int(args[1]), int(args[2]), int(args[3]), int(args[4]), int(args[5]), _ptr(args[6]),
+        int(args[7]), _ptr(args[8]), int(args[9]), int(args[10]), int(args[11]))
+    d = Dev(dp)
+    if d.failed():
+        return
+    if mode & K.M_POST and not d.post(c, e, src, send, op):
+        return
+    if not mode & K.M_WAIT:
+        return
+    if not d.wait(c, e) or not d.check_meta(c, e, op, expect):
+        return
+    if op == K.OP_BROADCAST:
+        got = u64(d.meta(d.rank, c, root, e) + 8).value & 0xFFFFFFFF
+        if got != nbytes:
+            d.fail(K.ERR_SIZE_MISMATCH, root, c, e, got)
+            return
+    if mode & K.M_SUM:
+        dt = np.float32 if dtype == 0 else np.float16
+        cnt = nbytes // np.dtype(dt).itemsize
+        out = d.ranksum(c, e, dt, cnt).astype(dt)
+        ctypes.memmove(dst, out.ctypes.data, nbytes)
+    elif mode & K.M_COPY:
+        ctypes.memmove(dst, d.meta(d.rank, c, root, e) + 64, nbytes)
+    if mode & K.M_ACK:
+        d.ack_all(c, e)
+
+
+def k_rounds(args):
+    dp, c, first, rounds, delta = _ptr(args[0]), int(args[1]), int(args[2]), int(args[3]), int(args[4])
+    inp, in_rounds, out, out_rounds, n, times = args[5], int(args[6]), args[7], int(args[8]), int(args[9]), args[10]
+    d = Dev(dp)
+    for s in range(rounds + delta):
+        if s < rounds:
+            times.a[s, 0] = time.monotonic_ns()
+            if not d.post(c, first + s, inp.data.ptr + (s % in_rounds) * n * 2, 2 * n, 4):
+                return
+            times.a[s, 1] = time.monotonic_ns()
+        if s >= delta:
+            r, e = s - delta, first + s - delta
+            t = time.monotonic_ns()
+            if not d.wait(c, e):
+                return
+            out.a[r % out_rounds] = d.ranksum(c, e, np.float16, n)
+            d.ack_all(c, e)
+            times.a[r, 2] = time.monotonic_ns() - t
+
+
+def k_peek(args):
+    d = Dev(_ptr(args[0]))
+    c, out = int(args[1]), args[2]
+    for s in range(d.n):
+        out.a[s] = u64(d.flag(d.rank, c, s)).value
+        out.a[d.n + s] = u64(d.ack(d.rank, c, s)).value
+
+
+class _Stream:
+    """A launch runs in a thread (the kernel runs while the host waits and watches)."""
+
+    def __init__(self):
+        self.t, self.exc = None, None
+
+    def launch(self, impl, args):
+        assert self.t is None or not self.t.is_alive(), "launch while the previous kernel runs"
+
+        def run():
+            try:
+                impl(args)
+            except BaseException as exc:  # noqa: BLE001
+                self.exc = exc
+
+        self.t = threading.Thread(target=run, daemon=True)
+        self.t.start()
+
+    def _raise(self):
+        if self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
+
+    @property
+    def done(self):
+        alive = self.t is not None and self.t.is_alive()
+        if not alive:
+            self._raise()
+        return not alive
+
+    def synchronize(self):
+        if self.t is not None:
+            self.t.join()
+        self._raise()
+
+
+_streams = threading.local()
+
+
+def _current_stream():
+    if not hasattr(_streams, "s"):
+        _streams.s = _Stream()
+    return _streams.s
+
+
+class _Fn:
+    def __init__(self, name, impl):
+        self.name, self.impl = name, impl
+
+    def __call__(self, grid, block, args, stream=None):
+        _check_args(self.name, args)
+        assert 1 <= grid[0] <= 32 and block[0] <= 1024
+        assert stream is _current_stream()
+        stream.launch(self.impl, args)
+
+
+class _Module:
+    def __init__(self, code, options=(), backend="nvrtc"):
+        assert '#include "' not in code and "-std=c++17" in options
+
+    def get_function(self, name):
+        return _Fn(name, {"kccl_op": k_op, "kccl_test_rounds": k_rounds, "kccl_peek": k_peek}[name])
+
+
+def _fake_cupy():
+    cp = types.ModuleType("cupy")
+    cp.float32, cp.float16, cp.uint64, cp.int64 = np.float32, np.float16, np.uint64, np.int64
+    cp.asarray = _asarray
+    cp.ascontiguousarray = lambda x: x
+    cp.empty_like = lambda x: FakeArray(np.empty_like(x.a))
+    cp.empty = lambda shape, dtype=np.float32: FakeArray(np.empty(shape, dtype))
+    cp.zeros = lambda shape, dtype=np.float32: FakeArray(np.zeros(shape, dtype))
+    cp.ones = lambda shape, dtype=np.float32: FakeArray(np.ones(shape, dtype))
+    cp.RawModule = _Module
+    cuda = types.SimpleNamespace(runtime=_Runtime, Device=lambda i=0: types.SimpleNamespace(id=0, use=lambda: None),
+                                 get_current_stream=_current_stream)
+    cp.cuda = cuda
+    return cp
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    K._modules.clear()
+    yield
+    K._modules.clear()
+
+
+def _ranks(n, body, tmp_path, timeout=60):
+    """Run body(rank, comm_factory) in n threads; return per-rank results or raise the first error."""
+    res, errs = [None] * n, [None] * n
+
+    def run(r):
+        try:
+            rdv = FileRendezvous(str(tmp_path), r, n, timeout=20)
+            res[r] = body(r, rdv)
+        except BaseException as exc:  # noqa: BLE001
+            errs[r] = exc
+
+    ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+        assert not t.is_alive(), "rank thread hung"
+    return res, errs
+
+
+def _ranksum(parts):
+    acc = parts[0].astype(np.float32)
+    for p in parts[1:]:
+        acc = acc + p.astype(np.float32)
+    return acc
+
+
+# ---- tests -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_host_ops_end_to_end(fake_cupy, tmp_path, n):
+    import cupy as cp
+
+    def part(seed, q, size, dt):
+        return np.random.default_rng([seed, q]).standard_normal(size).astype(dt)
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=4096, depth=3, tags=("attn", "mlp"), timeout=5)
+        assert comm.channel("attn") == 1 and comm.channel("mlp") == 2
+        for seed, size in enumerate([1, 7, 3072]):
+            for dt in (np.float32, np.float16):
+                got = comm.allreduce(cp.asarray(part(seed, r, size, dt))).get()
+                assert np.array_equal(got, _ranksum([part(seed, q, size, dt) for q in range(n)]).astype(dt))
+        for root in range(n):
+            x = cp.asarray(np.arange(5) * (root + 1)) if r == root else cp.zeros(5, cp.int64)
+            assert np.array_equal(comm.broadcast(x, root=root).get(), np.arange(5) * (root + 1))
+        comm.barrier()
+        hs = []
+        for layer in range(10):
+            hs.append((layer, comm.post("attn", cp.asarray(part(100 + layer, r, 64, np.float32)))))
+            if len(hs) > 2:
+                l0, h = hs.pop(0)
+                assert np.array_equal(comm.collect(h).get(), _ranksum([part(100 + l0, q, 64, np.float32) for q in range(n)]))
+        for l0, h in hs:
+            comm.collect(h)
+        assert comm.pending("attn") == 0 and comm.next_epoch("attn") == 11
+        ins = np.stack([part(7, r, 32, np.float16) for _ in range(1)])
+        out, times = comm.run_rounds("mlp", ins, 20, delta=2, out_rounds=20)
+        want = _ranksum([part(7, q, 32, np.float16) for q in range(n)])
+        assert all(np.array_equal(out.get()[i], want) for i in range(20))
+        assert times.shape == (20, 6) and comm.next_epoch("mlp") == 21
+        comm.advance("mlp", 5)
+        assert comm.next_epoch("mlp") == 26
+        comm.barrier()
+        flags, acks = comm.peek(0)
+        done = 6 + n + 2  # collectives so far; a barrier returns once every rank posted it, so a
+        # peer may not have acked it yet, and a faster one may already have posted the next one
+        assert all(done - 1 <= a <= done for a in acks) and all(done <= f <= done + 1 for f in flags), \
+            (flags, acks)
+        flags, acks = comm.peek(1)  # the DTP tag: everything posted was collected before the barrier
+        assert acks == [10] * n and all(10 <= f <= 13 for f in flags), (flags, acks)  # (3 posts below)
+        with pytest.raises(KcclError, match="not collected"):
+            for _ in range(4):
+                comm.post("attn", cp.zeros(4, cp.float32))
+        with pytest.raises(ValueError, match="exceeds the slot"):
+            comm.allreduce(cp.zeros(4097, cp.float32))
+        with pytest.raises(KcclError, match="unknown tag"):
+            comm.post("moe", cp.zeros(4, cp.float32))
+        comm.shutdown()  # collective: no peer kernel writes into a freed window
+        comm.close()  # idempotent
+        return MEM.opened.get(threading.get_ident(), 0)
+
+    res, errs = _ranks(n, body, tmp_path)
+    assert errs == [None] * n, errs
+    assert res == [0] * n  # every opened peer mapping was closed
+
+
+def test_silent_rank_times_out_naming_it(fake_cupy, tmp_path):
+    import cupy as cp
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=64, depth=2, tags=("t",), timeout=0.5)
+        if r == 0:
+            with pytest.raises(KcclTimeout, match=r"rank 0 timed out after 0.5 s waiting for rank 1's data "
+                                                  r"on channel '_coll' epoch 1"):
+                comm.allreduce(cp.ones(4, cp.float32))
+            assert comm.status[:3] == [K.ERR_TIMEOUT_FLAG, 0, 1]
+            with pytest.raises(KcclTimeout):  # unusable from now on
+                comm.barrier()
+        rdv.barrier()
+        comm.close()
+
+    _, errs = _ranks(2, body, tmp_path)
+    assert errs == [None, None], errs
+
+
+def test_ops_in_different_orders_fail_everywhere(fake_cupy, tmp_path):
+    import cupy as cp
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=64, depth=2, tags=("t",), timeout=5)
+        with pytest.raises(KcclError, match="different orders"):
+            if r == 0:
+                comm.barrier()
+            else:
+                comm.allreduce(cp.ones(4, cp.float32))
+        rdv.barrier()
+        comm.close()
+
+    _, errs = _ranks(3, body, tmp_path)
+    assert errs == [None] * 3, errs
+
+
+def test_dead_peer_raises_peer_lost(fake_cupy, tmp_path):
+    import subprocess
+    import cupy as cp
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=64, depth=2, tags=("t",), timeout=30)
+        if r == 0:
+            comm.peers[1] = (gone.pid, 0)  # rank 1 "exits": its pid is gone
+            t0 = time.monotonic()
+            with pytest.raises(PeerLost, match=rf"rank 1 \(pid {gone.pid}\) exited \(noticed by rank 0"):
+                comm.allreduce(cp.ones(4, cp.float32))
+            assert time.monotonic() - t0 < 5
+            assert comm.status[0] == K.ERR_ABORTED
+        rdv.barrier()
+        comm.close()
+
+    _, errs = _ranks(2, body, tmp_path)
+    assert errs == [None, None], errs
+
+
+def test_layout_mismatch_refused_on_every_rank(fake_cupy, tmp_path):
+    def body(r, rdv):
+        with pytest.raises(KcclError, match="layout differs"):
+            K.CudaCommunicator.create(rdv, max_floats=64 * (r + 1), depth=2, tags=("t",))
+
+    _, errs = _ranks(2, body, tmp_path)
+    assert errs == [None, None], errs
