@@ -150,18 +150,29 @@ def main(argv=None) -> int:
     ap.add_argument("--define", action="append", default=[], metavar="CFG_X=V",
                     help="extra compile-time define of the monokernel (tuning variants)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="cuda: the monokernel; cpu: the numpy backend (needs --model); auto: cuda if there is a GPU")
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--json-out", help="also write the JSON report to this file")
     args = ap.parse_args(argv)
+    from workers.factory import cuda_available
+    if args.backend == "cpu" or (args.backend == "auto" and not cuda_available()):
+        if args.shape:
+            print("kog bench: error: --shape makes its weights on a GPU; on the cpu backend give --model DIR",
+                  file=sys.stderr)
+            return 2
+        from .bench_cpu import run as run_cpu
+        return _emit(dict(run_cpu(args, _say), commit=_commit(), args=vars(args)), args)
     try:
         import cupy as cp
         ndev = cp.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - any failure means no usable GPU
-        print(f"kog bench: needs CuPy and a CUDA GPU ({type(e).__name__}: {e})", file=sys.stderr)
+        print(f"kog bench: error: --backend cuda needs CuPy and a CUDA GPU ({type(e).__name__}: {e})",
+              file=sys.stderr)
         return 2
     if ndev < 1:
-        print("kog bench: no CUDA GPU", file=sys.stderr)
+        print("kog bench: error: no CUDA GPU", file=sys.stderr)
         return 2
     from kog_dist.config import load_config
     from workers.cuda.backend import CudaBackend
@@ -228,6 +239,10 @@ def main(argv=None) -> int:
         if "tokens_per_s" in b:
             b["GB_per_s"] = b["tokens_per_s"] * mk["streamed_bytes_per_token"] / 1e9
             b["fraction_of_copy_bw"] = b["GB_per_s"] * 1e9 / bw
+    return _emit(report, args)
+
+
+def _emit(report: dict, args) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, default=str, indent=1)
@@ -241,14 +256,15 @@ def main(argv=None) -> int:
 def table(r: dict) -> str:
     mk = r["monokernel"]
     dt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[r["dtype"]]
+    ours = "cpu (numpy)" if r.get("backend_rows") == "cpu" else "monokernel"
     rows = []
     pp = mk["pp"]
-    rows.append(("monokernel", f"pp{pp['prompt']}", f"{pp['tokens_per_s']:.0f}",
+    rows.append((ours, f"pp{pp['prompt']}", f"{pp['tokens_per_s']:.0f}",
                  f"TTFT {pp['ttft_ms']:.2f} ms", "", ""))
     for key in ("tg", "tg_ctx"):
         if key in mk:
             x = mk[key]
-            rows.append(("monokernel", f"tg{x['gen']} @ {x['prompt']}", f"{x['tokens_per_s']:.1f}",
+            rows.append((ours, f"tg{x['gen']} @ {x['prompt']}", f"{x['tokens_per_s']:.1f}",
                          f"{x['ms_per_token']:.3f} ms/tok", f"{x['GB_per_s']:.0f}",
                          f"{100 * x['fraction_of_copy_bw']:.1f}%"))
     for b in r["baselines"]:
@@ -262,7 +278,8 @@ def table(r: dict) -> str:
     head = ("backend", "test", "t/s", "latency", "GB/s", "of copy BW")
     w = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     line = lambda x: "| " + " | ".join(str(v).ljust(w[i]) for i, v in enumerate(x)) + " |"
-    out = [f"model: {r['model']}  dtype: {dt}  device: {r['device']} ({r['sms']} SMs)  date: {r['date']}  "
+    sms = f" ({r['sms']} SMs)" if "sms" in r else ""
+    out = [f"model: {r['model']}  dtype: {dt}  device: {r['device']}{sms}  date: {r['date']}  "
            f"commit: {r.get('commit', '?')}",
            f"copy bandwidth (measured now): {r['copy_bandwidth_GBps']:.0f} GB/s; weights streamed per token: "
            f"{mk['streamed_bytes_per_token'] / 1e9:.3f} GB; ceiling "
