@@ -116,8 +116,8 @@ def main(argv=None) -> int:
         from .cuda_ipc import cupy_missing
         why = cupy_missing()
         if why is not None:
-            print(f"kccl.bench: transport 'cuda_ipc' is not built yet on this machine: it needs CuPy "
-                  f"and a CUDA GPU ({why}); use --transport shm", file=sys.stderr)
+            print(f"kccl.bench: error: transport 'cuda_ipc' needs CuPy and a CUDA GPU, and this "
+                  f"machine has none ({why}); use --transport shm", file=sys.stderr)
             return 2
     if args.delta < 0 or args.iters < 1:
         print("kccl.bench: --delta must be >= 0 and --iters >= 1", file=sys.stderr)

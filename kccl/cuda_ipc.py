@@ -732,8 +732,8 @@ def create_or_explain(mpi_comm=None, **kw) -> CudaCommunicator:
     cannot be built here)."""
     why = cupy_missing()
     if why is not None:
-        raise NotImplementedError(f"kccl transport 'cuda_ipc' is not built yet on this machine: it needs "
-                                  f"CuPy and a CUDA GPU ({why}); use transport='shm'")
+        raise NotImplementedError(f"kccl transport 'cuda_ipc' needs CuPy and a CUDA GPU, and this "
+                                  f"machine has none ({why}); use transport='shm'")
     return CudaCommunicator.create(mpi_comm, **kw)
 
 

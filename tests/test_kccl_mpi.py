@@ -142,6 +142,9 @@ def test_bench_relaunches_under_mpiexec_and_reports_json():
 
 
 def test_bench_refuses_cuda_ipc_with_exit_2():
+    from kccl.cuda_ipc import cupy_missing
+    if cupy_missing() is None:
+        pytest.skip("CuPy and a GPU are here: cuda_ipc runs (tests/test_kccl_cuda_gpu.py)")
     res = subprocess.run([sys.executable, "-m", "kccl.bench", "--transport", "cuda_ipc", "-n", "2"],
                          capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO_ROOT)
-    assert res.returncode == 2 and "not built yet" in res.stderr
+    assert res.returncode == 2 and "needs CuPy and a CUDA GPU" in res.stderr
