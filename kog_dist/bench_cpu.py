@@ -43,9 +43,8 @@ def run(args, say) -> dict:
     greedy = SamplingParams()
 
     def go(prompt, gen):
-        return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=greedy, stop_ids=()))
+        return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=greedy), ignore_eos=True)
 
-    # EOS would end a row early: time only the tokens produced, and say how many
     prompt = ids(args.pp)
     ttft = statistics.median(go(prompt, 1).first_token_ms for _ in range(args.reps))
     out = {"pp": {"prompt": args.pp, "ttft_ms": ttft, "tokens_per_s": args.pp / (ttft / 1e3)}}

@@ -165,14 +165,6 @@ def test_bench_sbatch_leaves_table_and_json(tmp_path):
     assert "command:" in (outdir / "env.txt").read_text()
 
 
-def _cuda_gpu():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def test_bench_sbatch_runs_the_real_kog_bench(tmp_path, model):
     model_dir, _ = model
     job = sbatch(["--ntasks=1", "--time=10", "--wait", f"--output={tmp_path}/bench-%j.out"],
@@ -180,13 +172,7 @@ def test_bench_sbatch_runs_the_real_kog_bench(tmp_path, model):
                             "8", "--gen", "8", "--ctx", "0", "--baselines", "none"])
     text = (tmp_path / f"bench-{job}.out").read_text()
     outdir = tmp_path / f"kog-bench-{job}"
-    if not _cuda_gpu():
-        # No GPU: kog bench refuses, and the job says so and fails (no half-written results).
-        assert "kog bench: needs CuPy and a CUDA GPU" in text or "no CUDA GPU" in text, text
-        assert "kog-bench: kog bench failed with status 2" in text, text
-        assert not (outdir / "bench.json").exists()
-        assert job_info(job).get("JobState", "FAILED") == "FAILED"
-        pytest.skip("kog bench has no CPU backend: on this machine the job can only report that")
+    # Without a GPU, kog bench measures the cpu backend (auto); with one, the monokernel.
     assert "kog-bench: done" in text, text
     assert json.loads((outdir / "bench.json").read_text())["monokernel"]["tg"]["tokens_per_s"] > 0
     assert "tg8 @ 8" in (outdir / "bench.txt").read_text()

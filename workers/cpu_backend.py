@@ -26,7 +26,8 @@ class CpuBackend(Backend):
         self.slots[slot] = None
         self.tokens[slot] = []
 
-    def run(self, cmd: RunCommand, on_token=None) -> RunResult:
+    def run(self, cmd: RunCommand, on_token=None, ignore_eos: bool = False) -> RunResult:
+        """ignore_eos: decode max_new_tokens whatever comes (benchmarks)."""
         check_command(cmd, self.cached(cmd.slot), self.cfg.vocab_size, self.max_seq, self.num_slots)
         clock = Clock()
         eng = self.slots[cmd.slot] or self._new()
@@ -40,7 +41,7 @@ class CpuBackend(Backend):
         logits = eng.prefill(feed)
         held += [int(t) for t in feed]
         res.prefill_ms = clock.ms()
-        stop = set(self.cfg.eos_token_ids) | set(cmd.stop_ids)
+        stop = (set() if ignore_eos else set(self.cfg.eos_token_ids)) | set(cmd.stop_ids)
         t_first = None
         while len(res.token_ids) < cmd.max_new_tokens:
             tok = sample(logits, cmd.sampling, counter=len(held))
