@@ -34,40 +34,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from . import protocol as P
+from .control_auth import ControlError, CurveKeys, check_endpoint  # noqa: F401 (re-exported)
 from .protocol import ProtocolError
-
-
-class ControlError(Exception):
-    """The control plane cannot start (a refused bind, missing CURVE keys); one-line message."""
-
-
-@dataclass
-class CurveKeys:
-    """CURVE material: the server's secret key file (zmq.auth .key_secret) and a directory of the
-    authorised clients' public key files (.key)."""
-    server_secret_file: str
-    clients_dir: str
-
-
-def check_endpoint(endpoint: str, allow_remote: bool = False, curve_keys: CurveKeys | None = None) -> None:
-    """Raise ControlError unless binding `endpoint` is allowed (call it before starting ranks)."""
-    try:
-        local = P.is_loopback(endpoint)
-    except ValueError as e:
-        raise ControlError(str(e)) from None
-    if not local and not allow_remote:
-        raise ControlError(f"refusing to bind {endpoint}: not a loopback address; pass --allow-remote "
-                           "with CURVE keys to serve other machines")
-    if not local and curve_keys is None:
-        raise ControlError(f"refusing to bind {endpoint} with --allow-remote but no CURVE keys; "
-                           "give the server secret key file and the authorised clients' key directory")
-    if curve_keys is not None:
-        if not curve_keys.server_secret_file or not curve_keys.clients_dir:
-            raise ControlError("CURVE needs both the server secret key file and the clients key directory")
-        if not os.path.isfile(curve_keys.server_secret_file):
-            raise ControlError(f"CURVE server secret key file not found: {curve_keys.server_secret_file}")
-        if not os.path.isdir(curve_keys.clients_dir):
-            raise ControlError(f"CURVE clients key directory not found: {curve_keys.clients_dir}")
+from .textstream import TextStream, find_stop  # noqa: F401
 
 
 @dataclass(eq=False)
@@ -117,50 +86,6 @@ class _Slot:
     tokens: list = field(default_factory=list)
     owner: object = None         # a _Session or None
     last_used: float = 0.0
-
-
-class _TextStream:
-    """Incremental detokenisation with stop strings (runs on the decode thread).
-
-    ``feed(id)`` returns True once the text contains a stop string; ``take()`` returns the newly
-    releasable text: never past a stop string, and holding back any tail that could still begin one.
-    The text of a terminal token (EOS or a stop id) is not part of the text."""
-
-    def __init__(self, tokenizer, stop, terminal):
-        self.tok, self.stop, self.terminal = tokenizer, stop, terminal
-        self.maxstop = max((len(s) for s in stop), default=0)
-        self.ids, self.prefix, self.read = [], 0, 0
-        self.text, self.released, self.hit = "", 0, None
-
-    def feed(self, t: int) -> bool:
-        if self.hit is not None or t in self.terminal:
-            return self.hit is not None
-        self.ids.append(t)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        now = self.tok.decode(self.ids[self.prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            start = max(0, len(self.text) - self.maxstop + 1)
-            self.text += now[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-            self.hit = find_stop(self.text, self.stop, start)
-        return self.hit is not None
-
-    def take(self) -> str:
-        end = len(self.text) if self.hit is None else self.hit
-        if self.hit is None:
-            for k in range(min(self.maxstop - 1, end), 0, -1):
-                if any(s.startswith(self.text[end - k:end]) for s in self.stop):
-                    end -= k
-                    break
-        out = self.text[self.released:end] if end > self.released else ""
-        self.released = max(self.released, end)
-        return out
-
-
-def find_stop(text: str, stop, start: int = 0):
-    """Index of the earliest stop string in text[start:] (None when there is none)."""
-    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(hits) if hits else None
 
 
 def _lcp(a, b) -> int:
@@ -597,7 +522,7 @@ class Coordinator:
             r.keep = min(keep, len(ctx) - 1) if max_new > 0 else keep
             r.ctx, r.t_start, self.active = ctx, time.monotonic(), r
             stop_ids = tuple(r.params.get("stop_ids", ()))
-            r.text = _TextStream(self.tokenizer, r.params.get("stop", []), self.eos | set(stop_ids))
+            r.text = TextStream(self.tokenizer, r.params.get("stop", []), self.eos | set(stop_ids))
             if r.keep == len(ctx):               # an append of what the slot already holds
                 self._finish(r, None)
                 continue
