@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import struct
 import time
 import zlib
@@ -32,6 +31,7 @@ import zlib
 import numpy as np
 
 from . import layout as L
+from .cuda_source import inline_sources
 from .errors import KcclError, KcclTimeout, PeerLost
 from .shm import process_alive, process_starttime, register, unregister
 
@@ -225,25 +225,9 @@ def describe_status(st, channels, timeout: float) -> tuple[type, str]:
 
 
 # ---- device code ----------------------------------------------------------------------------------
-def _inline(path: str, seen: set) -> str:
-    out = []
-    for line in open(path):
-        m = re.match(r'\s*#include\s+"([^"]+)"', line)
-        if m:
-            inc = os.path.join(os.path.dirname(path), m.group(1))
-            if inc not in seen:
-                seen.add(inc)
-                out.append(_inline(inc, seen))
-            continue
-        if line.strip() != "#pragma once":
-            out.append(line)
-    return "".join(out)
-
-
 def device_source() -> str:
     """kccl_ops.cu + kccl_test.cu with kccl.cuh inlined once (CuPy's cache keys on the source text)."""
-    seen: set = set()
-    return "\n".join(_inline(os.path.join(DEVICE_DIR, f), seen) for f in ("kccl_ops.cu", "kccl_test.cu"))
+    return inline_sources([os.path.join(DEVICE_DIR, f) for f in ("kccl_ops.cu", "kccl_test.cu")])
 
 
 _modules: dict = {}

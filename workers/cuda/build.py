@@ -8,9 +8,10 @@ is printed while NVRTC and the driver compile (several seconds for the 2B shape)
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
+
+from kccl.cuda_source import inline_sources
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("monokernel.cu", "prefill.cu")
@@ -18,25 +19,8 @@ WT_CODE = {"F32": 0, "BF16": 1, "F16": 2}
 _cache: dict = {}
 
 
-def _inline(path: str, seen: set) -> str:
-    out = []
-    for line in open(path):
-        m = re.match(r'\s*#include\s+"([^"]+)"', line)
-        if m:
-            inc = os.path.join(os.path.dirname(path), m.group(1))
-            if inc not in seen:
-                seen.add(inc)
-                out.append(_inline(inc, seen))
-            continue
-        if line.strip() == "#pragma once":
-            continue
-        out.append(line)
-    return "".join(out)
-
-
 def source() -> str:
-    seen: set = set()
-    return "\n".join(_inline(os.path.join(HERE, f), seen) for f in SOURCES)
+    return inline_sources([os.path.join(HERE, f) for f in SOURCES])
 
 
 def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | None = None) -> dict:
