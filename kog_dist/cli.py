@@ -74,6 +74,9 @@ def cmd_generate(argv) -> int:
     if a.model is None:
         from .tiny import default_model_dir
         a.model = default_model_dir()
+        if not a.json:
+            print(f"kog: no --model given: using the built-in tiny model ({a.model}), random weights, "
+                  f"so the text is noise", file=sys.stderr)
     if a.nranks > 1:
         from workers.oneshot import run_under_mpiexec
         return run_under_mpiexec(a)
