@@ -86,6 +86,13 @@ def run(a) -> int:
     from .factory import make_backend, resolve
     from .rank import KcclExchange, RankGroup, follow, make_agree
     kind = resolve(a.backend)
+    if kind == "cuda" and size > 1:
+        if a.backend == "cuda":
+            raise ValueError(f"the cuda backend runs all lanes on one rank in this version; start 1 rank, "
+                             f"or use --backend cpu for {size}")
+        kind = "cpu"   # auto: the multi-rank path that exists
+        if rank == 0:
+            log(f"--backend auto: the cuda backend is single-rank in this version; using cpu for {size} ranks")
     max_floats = max(cfg.hidden_size, 1 << 16)
     comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
                                     depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
