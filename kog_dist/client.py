@@ -158,7 +158,7 @@ class Client:
         while True:
             ready = dict(poller.poll(int(timeout * 1000)))
             if not ready:
-                raise ClientTimeout(f"no answer from {self.endpoint} within {timeout:g} s")
+                raise ClientTimeout(f"no answer from {self.endpoint} within {timeout:g} s (is a server running there?)")
             if sock not in ready and not sock.poll(200):   # a disconnect, and nothing left to read
                 raise ServerGone(f"the server at {self.endpoint} closed the connection (it stopped or crashed)")
             msg = P.unpackb(sock.recv(), P.MAX_REPLY_BYTES)
@@ -362,7 +362,9 @@ def _parser() -> argparse.ArgumentParser:
     def common(p, top):
         d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
         p.add_argument("--connect", default=d(DEFAULT_ENDPOINT), help=f"server endpoint (default {DEFAULT_ENDPOINT})")
-        p.add_argument("--timeout", type=float, default=d(60.0), help="seconds to wait for each server message")
+        p.add_argument("--timeout", type=float, default=d(None),
+                       help="seconds to wait for each server message (default 10 for health/stats/cancel/"
+                            "shutdown, 60 otherwise)")
         p.add_argument("--server-key", default=d(None), help="CURVE: the server's public key file")
         p.add_argument("--client-key", default=d(None), help="CURVE: this client's secret key file")
         p.add_argument("--json", action="store_true", default=d(False), help="print JSON")
@@ -459,7 +461,9 @@ def _print_map(d: dict, prefix="") -> None:
 
 def _run(a) -> int:
     script = load_script(a.script) if a.cmd == "run" else None
-    with Client(a.connect, timeout=a.timeout, server_key=a.server_key, client_key=a.client_key) as c:
+    quick = a.cmd in ("health", "stats", "shutdown", "cancel")
+    timeout = a.timeout if a.timeout is not None else (10.0 if quick else 60.0)
+    with Client(a.connect, timeout=timeout, server_key=a.server_key, client_key=a.client_key) as c:
         if a.cmd in ("health", "stats", "shutdown", "cancel"):
             out = getattr(c, a.cmd)() if a.cmd != "cancel" else {"cancelled": c.cancel(rid=a.rid)}
             print(json.dumps(out)) if a.json else _print_map(out)
