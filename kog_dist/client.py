@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from . import protocol as P
+from .cli import UsageError, _Parser
+from .cli import parse_ids as _ids
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_ids")
@@ -342,22 +344,6 @@ class Session:
 
 
 # ---------------------------------------------------------------------------------------- the CLI
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} (see {self.prog} --help)")
-
-
-def _ids(s: str, what: str) -> list:
-    try:
-        return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise UsageError(f"{what} must be comma-separated integers, got {s!r}") from None
-
-
 def _parser() -> argparse.ArgumentParser:
     def common(p, top):
         d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -70,27 +69,6 @@ def _streamer(tok):
     return on_token
 
 
-def find_mpiexec() -> str:
-    for name in ("mpiexec", "mpirun"):
-        exe = shutil.which(name)
-        if exe:
-            return exe
-    raise ValueError("--np needs an MPI launcher (mpiexec); `pip install mpich` provides one")
-
-
-def mpiexec_prefix(exe: str, n: int) -> list[str]:
-    """MPICH's mpiexec takes -n N; Open MPI's also needs root and oversubscription flags here."""
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
-    cmd = [exe, "-n", str(n)]
-    if "Open MPI" in out or "OpenRTE" in out:
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-        if n > (os.cpu_count() or 1):
-            cmd.append("--oversubscribe")
-        cmd += ["--bind-to", "none"]
-    return cmd
-
-
 def run_under_mpiexec(a) -> int:
     """`kog generate --np N`: the same request through N ranks; rank 0 prints the result."""
     cfg = load_config(a.model)
@@ -99,9 +77,13 @@ def run_under_mpiexec(a) -> int:
     cfg.lanes_of_rank(0, a.nranks)                # and so does a rank count that does not divide L
     req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
                                       "top_p", "seed", "stop_ids", "max_seq", "json")}
-    cmd = mpiexec_prefix(find_mpiexec(), a.nranks) + [
-        sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
-        "--bind", "none", "--oneshot", json.dumps(req)]
+    from launch.cli import LaunchError, build_command, detect
+    try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
+        cmd = build_command(detect(), a.nranks, [
+            sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
+            "--bind", "none", "--oneshot", json.dumps(req)])
+    except LaunchError as e:
+        raise ValueError(f"--np needs an MPI launcher: {e}") from None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     mpich_before = set(glob.glob(MPICH_SHM))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
