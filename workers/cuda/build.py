@@ -23,8 +23,16 @@ def source() -> str:
     return inline_sources([os.path.join(HERE, f) for f in SOURCES])
 
 
-def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | None = None) -> dict:
+def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | None = None,
+            nranks: int = 1) -> dict:
+    """-D options of one build. nranks > 1: the kernel of one of nranks ranks (multirank.defines: the
+    rank's lanes/heads/kv heads/ffn rows, CFG_LG, KOG_NRANKS); nranks == 1 gives the measured build's."""
     sw = cfg.sliding_window or 0
+    if nranks > 1:
+        from .multirank import defines as mr_defines
+        d = defines(cfg, dtype, nblocks, prefetch, None)
+        d.update(mr_defines(cfg, nranks))
+        return {**d, **(extra or {})}
     return {
         "CFG_WT": WT_CODE[dtype], "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
         "CFG_H": cfg.num_attention_heads, "CFG_KV": cfg.kv_heads, "CFG_HD": cfg.head_dim,
@@ -73,20 +81,30 @@ class Kernels:
         module.get_function("monokernel_info")((1,), (1,), (info,))
         self.info = [int(x) for x in info.get()]
         self.smem_bytes, self.nctr, self.nch, self.vpow2, self.params_bytes, self.layer_elems = self.info[:6]
+        self.nranks = int(defs.get("KOG_NRANKS", 1))
+        self.npost, self.fin_floats = (self.info[6], self.info[7]) if self.nranks > 1 else (0, 0)
         self.mono.max_dynamic_shared_size_bytes = self.smem_bytes
         self.fn = {n: module.get_function(n) for n in
                    ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32")}
+        if self.nranks > 1:
+            self.fn["pf_combine_mr"] = module.get_function("pf_combine_mr")
 
 
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True,
-          extra: dict | None = None) -> Kernels:
+          extra: dict | None = None, nranks: int = 1) -> Kernels:
     """extra: more CFG_* defines (tuning variants: CFG_PFS shared-memory prefetch bytes, CFG_PF_BULK,
-    CFG_PF_ATT); the defaults are what the backend uses."""
+    CFG_PF_ATT); the defaults are what the backend uses. nranks > 1: the kernel of one rank of the
+    multi-rank backend (cfg: the model's config; nblocks: given by the backend)."""
     import cupy as cp
-    check_shape(cfg, dtype)
+    if nranks > 1:
+        from .multirank import RankView, check
+        check(cfg, nranks)
+        check_shape(RankView(cfg, 0, nranks), dtype)
+    else:
+        check_shape(cfg, dtype)
     if nblocks is None:
         nblocks = default_blocks(cfg, cp.cuda.Device().attributes["MultiProcessorCount"])
-    defs = defines(cfg, dtype, nblocks, prefetch, extra)
+    defs = defines(cfg, dtype, nblocks, prefetch, extra, nranks)
     key = tuple(sorted(defs.items()))
     if key in _cache:
         return _cache[key]

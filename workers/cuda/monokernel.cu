@@ -13,6 +13,25 @@
 
 using namespace cfg;
 
+// ---- several ranks (KOG_NRANKS > 1, docs/monokernel.md "multi-rank"): this kernel is the one-rank
+// kernel of the rank's sub-model (CFG_L, CFG_H, CFG_KV, CFG_F are the rank's lanes, heads, kv heads
+// and ffn rows; CFG_LG the model's lanes) plus the exchanges of kccl.cuh. Everything it adds is
+// inside `#if KOG_NRANKS > 1`: with one rank the compiled code is the measured kernel's.
+#ifndef KOG_NRANKS
+#define KOG_NRANKS 1
+#endif
+#if KOG_NRANKS > 1
+#include "../../kccl/device/kccl.cuh"
+constexpr int NRK = KOG_NRANKS;            // ranks
+constexpr int LG = CFG_LG;                 // lanes of the model (L: lanes of this rank)
+static_assert(LG == L * NRK, "CFG_LG must be KOG_NRANKS * CFG_L");
+static_assert(NRK <= KCCL_MAX_RANKS, "too many ranks for kccl.cuh");
+#define SPIN(p, ptr, target) spin_mr(ptr, target)
+#else
+constexpr int LG = L;
+#define SPIN(p, ptr, target) spin_until(ptr, target)
+#endif
+
 // ---- units and weight layout (elements of wt), see workers/cuda/README.md -----------------------
 constexpr int NCH = (NB / KV) > 0 ? (NB / KV) : 1;         // attention chunks per kv head
 constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
@@ -98,6 +117,11 @@ struct Params {                  // every field 8 bytes; backend.py fills it in 
   u64* timing;                   // 55 [5NL+2][NB][3] globaltimer marks of one token, or null
   long long timing_token;        // 56
   const float2* rope;            // 57 [max_seq][HD/2] (cos, sin) of position * theta^(-2k/HD)
+#if KOG_NRANKS > 1
+  const KcclDev* kd;             // 58 CudaCommunicator.dev_ptr
+  long long e0[3];               // 59..61 first epoch of this launch on channels attn, mlp, final
+  float* yfin;                   // 62 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
+#endif
 };
 
 __device__ __forceinline__ u64 gtimer() {
@@ -110,6 +134,74 @@ __device__ __forceinline__ void tmark(const Params& p, int n, int ph, int k) {
   if (p.timing && n == p.timing_token && threadIdx.x == 0)
     p.timing[((long long)ph * NB + blockIdx.x) * 3 + k] = gtimer();
 }
+
+#if KOG_NRANKS > 1
+// ---- exchanges between ranks (kccl.cuh; docs/monokernel.md "multi-rank") ------------------------
+// Channels (CudaCommunicator tags in create order): 1 "attn" (kind 0), 2 "mlp" (kind 1), 3 "final".
+// A posted layer's payload is this rank's lanes' partials [L][D] fp32 (its slice of p.part), so a
+// reader sums all LG lanes in lane order from the slots: the same bits as the one-rank kernel.
+// Epoch of (kind, token n, layer i): e0[kind] + n * NPOST + mr_index(i); of the final rows: e0[2] + n.
+// workers/cuda/multirank.py computes the same schedule on the host (and tests it).
+__shared__ KcclDev kds;          // this rank's KcclDev, copied at launch
+__shared__ int mr_flag_s, mr_cancel_s, mr_n_s;
+enum { CH_FIN = 3 };
+constexpr int FIN_FLOATS = L * D + 4;   // final payload: the rank's L normed rows, then its cancel word
+// layers whose partials are posted: read by the early all-reduce and/or DELTA layers later
+__host__ __device__ constexpr bool mr_posted(int i) {
+  return USE_COMM && ((i < DELTA && USE_EARLY) || (i + DELTA < NL && (i >= DELTA || EARLY_FUTURE)));
+}
+// the partials of layer i are read again by the producers of layer i + DELTA (== has_delayed(i + DELTA))
+__host__ __device__ constexpr bool mr_read_later(int i) {
+  return USE_COMM && i + DELTA < NL && (i >= DELTA || EARLY_FUTURE);
+}
+__host__ __device__ constexpr int mr_index(int i) {
+  int k = 0;
+  for (int j = 0; j < i; ++j) k += mr_posted(j) ? 1 : 0;
+  return k;
+}
+constexpr int NPOST = mr_index(NL);      // epochs per token and kind
+// blocks with at least one unit of a U-unit phase (they post its epoch)
+__host__ __device__ constexpr int nposters(int U) {
+  int c = 0;
+  for (int b = 0; b < NB; ++b) c += ((long long)(b + 1) * U / NB > (long long)b * U / NB) ? 1 : 0;
+  return c;
+}
+static_assert(U_LM >= NB, "multi-rank: every block must own LM rows (it reads the final exchange)");
+static_assert(NL > DELTA || !USE_COMM || !USE_EARLY, "multi-rank: the last layer may not be an early all-reduce");
+__device__ __forceinline__ u64 mr_epoch(const Params& p, int kind, int n, int i) {
+  return (u64)(p.e0[kind] + (long long)n * NPOST + mr_index(i));
+}
+// this rank failed a kccl wait, or the host saw a peer die
+__device__ __forceinline__ bool mr_dead() {
+  return kccl_failed(kds) || (kds.abort && *(volatile const int*)kds.abort);
+}
+// the monokernel's own counters, polled so that the grid leaves once the rank failed
+__device__ __forceinline__ void spin_mr(const u64* ptr, u64 target) {
+  for (unsigned it = 1; ld_acquire(ptr) < target; ++it)
+    if ((it & 1023u) == 0 && mr_dead()) return;
+}
+// block-uniform: leave the kernel?
+__device__ __forceinline__ bool mr_bail() {
+  __syncthreads();
+  if (threadIdx.x == 0) mr_flag_s = mr_dead();
+  __syncthreads();
+  return mr_flag_s != 0;
+}
+// sum over all LG lanes (lane order) of the partials of epoch e, element r; own: lane g's value
+__device__ __forceinline__ float mr_lane_sum(int c, u64 e, int r, int g, float* own) {
+  float P[LG];
+#pragma unroll
+  for (int j = 0; j < LG; ++j) P[j] = __ldcg((const float*)kccl_slot(kds, c, j / L, e) + (long long)(j % L) * D + r);
+  float tot = P[0], o = P[0];
+#pragma unroll
+  for (int j = 1; j < LG; ++j) {
+    tot += P[j];
+    if (j == g) o = P[j];
+  }
+  if (own) *own = o;
+  return tot;
+}
+#endif
 
 // ---- helpers -----------------------------------------------------------------------------------
 __device__ __forceinline__ void brange(int U, int& a, int& b) {
@@ -124,7 +216,7 @@ __device__ __forceinline__ int lane_units(int l, int upl, int a, int b) {
 __device__ __forceinline__ bool fused_step(int s) {   // residual s written by its producer rows
   if (s == 0) return true;
   int i = (s - 1) / 2;
-  return !(USE_COMM && USE_EARLY && i < DELTA && L > 1);
+  return !(USE_COMM && USE_EARLY && i < DELTA && LG > 1);
 }
 
 __device__ float block_sum(float v, float* red) {
@@ -187,10 +279,14 @@ __device__ __forceinline__ float hbase(const Params& p, int s, int l, int d, int
 __device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int tok) {
   if (fused_step(s)) return hbase(p, s, l, d, tok);
   const int i = (s - 1) / 2, kind = (s - 1) & 1;
+#if KOG_NRANKS > 1
+  const float tot = mr_lane_sum(1 + kind, mr_epoch(p, kind, mr_n_s, i), d, 0, nullptr);
+#else
   const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D + d;
   float tot = ldf(pp);
 #pragma unroll 1
   for (int j = 1; j < L; ++j) tot += ldf(pp + (long long)j * D);
+#endif
   return hbase(p, s - 1, l, d, tok) + tot;
 }
 // dst[k*D + d] = rms(h_{l0+k} at version s) * g[l0+k] for k < nl, all lanes in one pass and one block
@@ -261,7 +357,7 @@ __device__ __forceinline__ unsigned writer_mask(int l0, int l1, int upl, int ua,
 // lanes' term) are staged in shared memory for all the block's rows before the block waits for its
 // inputs (they are ready earlier), so the rows' epilogue reads only shared memory.
 __device__ __forceinline__ bool has_delayed(int i) {
-  return USE_COMM && L > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE);
+  return USE_COMM && LG > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE);
 }
 __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int ua, int ub, int nr, int upl, int tok) {
   const int s = 2 * i + 1 + kind;
@@ -272,6 +368,11 @@ __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int u
     const float base = hbase(p, s - 1, l, r, tok);
     float dt = 0.f;
     if (has_delayed(i)) {
+#if KOG_NRANKS > 1
+      float own;
+      const float tot = mr_lane_sum(1 + kind, mr_epoch(p, kind, mr_n_s, i - DELTA), r, (int)kds.rank * L + l, &own);
+      dt = tot - own;
+#else
       const float* pp = p.part + ((long long)((i - DELTA) * 2 + kind) * L) * D + r;
       float P[L];
 #pragma unroll
@@ -283,6 +384,7 @@ __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int u
         if (j == l) own = P[j];
       }
       dt = tot - own;
+#endif
     }
     cb[2 * x] = base;
     cb[2 * x + 1] = dt;
@@ -294,7 +396,7 @@ __device__ __forceinline__ void combine_finish(const Params& p, int i, int kind,
   if (!fused_step(s)) return;
   const float base = c[0];
   float h;
-  if (!USE_COMM || i < DELTA) h = (USE_COMM && L == 1) ? base + pv : base + sqrtf((float)L) * pv;
+  if (!USE_COMM || i < DELTA) h = (USE_COMM && LG == 1) ? base + pv : base + sqrtf((float)LG) * pv;
   else if (has_delayed(i)) h = base + (pv + c[1]);
   else h = base + pv;
   p.hres[((long long)s * L + l) * D + r] = h;
@@ -317,13 +419,80 @@ __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl
   }
 }
 __device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
-  for (int l = l0; l <= l1; ++l) spin_until(CTR(p, phase * L + l), target);
+  for (int l = l0; l <= l1; ++l) SPIN(p, CTR(p, phase * L + l), target);
 }
 // the delayed partials of layer i - DELTA must be complete before a producer of layer i combines
 __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl, int n, int i) {
-  if (USE_COMM && L > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE))
+  if (USE_COMM && LG > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE))
+#if KOG_NRANKS > 1
+    return;   // the kccl wait of the layer's epoch (mr_delayed_wait) replaces the lanes' counters
+#else
     wait_lanes(p, phase, 0, L - 1, (u64)(n * NL + i - DELTA + 1) * upl);
+#endif
 }
+
+#if KOG_NRANKS > 1
+// producers of (layer i, kind): the slot of this epoch is free (before the math); block-uniform
+__device__ __forceinline__ bool mr_post_begin(const Params& p, int kind, int n, int i) {
+  if (!mr_posted(i)) return false;
+  return kccl_post_begin(kds, 1 + kind, mr_epoch(p, kind, n, i));
+}
+// after the block's rows of p.part are written and a barrier: its units [ua, ub) (NRU rows each) are
+// the contiguous floats [ua*NRU, ub*NRU) of the rank's [L][D] slice; copied to every rank's slot
+template <int NRU, int U>
+__device__ __forceinline__ void mr_post_rows(const Params& p, int kind, int n, int i, int ua, int ub, bool ok) {
+  if (!mr_posted(i) || !ok) return;
+  const u64 e = mr_epoch(p, kind, n, i);
+  const float* src = p.part + (long long)(i * 2 + kind) * L * D;
+  kccl_post_chunk(kds, 1 + kind, e, src, (long long)ua * NRU * 4, (long long)(ub - ua) * NRU * 4);
+  constexpr int NPOSTERS = nposters(U);
+  kccl_post_end(kds, 1 + kind, e, NPOSTERS, 4LL * L * D, 1 + kind);
+}
+// the delayed term of a producer of layer i reads layer i - DELTA's epoch: every block waits for it
+// and acks it (its last read)
+__device__ __forceinline__ void mr_delayed_wait(const Params& p, int kind, int n, int i) {
+  if (has_delayed(i)) kccl_wait(kds, 1 + kind, mr_epoch(p, kind, n, i - DELTA));
+}
+__device__ __forceinline__ void mr_delayed_end(const Params& p, int kind, int n, int i) {
+  if (has_delayed(i)) kccl_collect_end(kds, 1 + kind, mr_epoch(p, kind, n, i - DELTA), NB);
+}
+// the early all-reduce of residual version s (layer (s-1)/2, kind (s-1)&1), read by its consumer phase
+// (QKV of the next layer, W13 of the same): every block waits; acked here unless read again later
+__device__ __forceinline__ void mr_early_wait(const Params& p, int n, int s) {
+  if (!fused_step(s)) kccl_wait(kds, 1 + ((s - 1) & 1), mr_epoch(p, (s - 1) & 1, n, (s - 1) / 2));
+}
+__device__ __forceinline__ void mr_early_end(const Params& p, int n, int s) {
+  if (!fused_step(s) && !mr_read_later((s - 1) / 2))
+    kccl_collect_end(kds, 1 + ((s - 1) & 1), mr_epoch(p, (s - 1) & 1, n, (s - 1) / 2), NB);
+}
+// the final norm's lane mean over every rank: block 0 posts the rank's normed rows (tmp, [L][D] in
+// shared memory) and the host's cancel word; every block sums the LG rows in lane order into y
+__device__ void mr_final(const Params& p, int n, const float* tmp, float* y) {
+  const u64 e = (u64)(p.e0[2] + n);
+  if (blockIdx.x == 0) {
+    const bool ok = kccl_post_begin(kds, CH_FIN, e);
+    for (int x = threadIdx.x; x < L * D; x += NT) p.yfin[x] = tmp[x];
+    if (threadIdx.x == 0) p.yfin[L * D] = __int_as_float(*(volatile const int*)p.cancel);
+    __syncthreads();
+    if (ok) {
+      kccl_post_chunk(kds, CH_FIN, e, p.yfin, 0, 4LL * FIN_FLOATS);
+      kccl_post_end(kds, CH_FIN, e, 1, 4LL * FIN_FLOATS, 3);
+    }
+  }
+  kccl_wait(kds, CH_FIN, e);
+  for (int d = threadIdx.x; d < D; d += NT) {
+    float a = __ldcg((const float*)kccl_slot(kds, CH_FIN, 0, e) + d);
+    for (int j = 1; j < LG; ++j) a += __ldcg((const float*)kccl_slot(kds, CH_FIN, j / L, e) + (long long)(j % L) * D + d);
+    y[d] = a / (float)LG;
+  }
+  if (threadIdx.x == 0) {
+    int c = 0;
+    for (int r = 0; r < NRK; ++r) c |= __float_as_int(__ldcg((const float*)kccl_slot(kds, CH_FIN, r, e) + L * D));
+    mr_cancel_s = c;
+  }
+  kccl_collect_end(kds, CH_FIN, e, NB);
+}
+#endif
 
 // ---- phases ------------------------------------------------------------------------------------
 __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {
@@ -335,6 +504,9 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
   if (!prefilled)
     prefetch_l2(W + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV * sizeof(wt), PF);
+#if KOG_NRANKS > 1
+  if (ua >= ub) { mr_early_wait(p, n, 2 * i); mr_early_end(p, n, 2 * i); return; }
+#endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
@@ -345,10 +517,16 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
   }
   __syncthreads();
+#if KOG_NRANKS > 1
+  mr_early_wait(p, n, s);
+#endif
   tmark(p, n, ph, 1);
   cp_async_wait_all();
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
               writer_mask(l0, l1, UPL_QKV, ua, ub), red);
+#if KOG_NRANKS > 1
+  mr_early_end(p, n, s);
+#endif
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
@@ -409,7 +587,7 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
   for (int u = ua; u < ub; ++u) {
     const int g = u / NCH, c = u % NCH, l = g / KVL;
     if (l != waited) {
-      if (threadIdx.x == 0) spin_until(CTR(p, C_QKV * L + l), (u64)(n * NL + i + 1) * UPL_QKV);
+      if (threadIdx.x == 0) SPIN(p, CTR(p, C_QKV * L + l), (u64)(n * NL + i + 1) * UPL_QKV);
       waited = l;
     }
     __syncthreads();
@@ -525,6 +703,10 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   brange(U_WO, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
+#if KOG_NRANKS > 1
+  if (ua >= ub) { mr_delayed_wait(p, 0, n, i); mr_delayed_end(p, 0, n, i); return; }
+  const bool mr_ok = mr_post_begin(p, 0, n, i);
+#endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   float* cb = sm + SM_STAGE;
@@ -536,7 +718,13 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     }
   }
   __syncthreads();
+#if KOG_NRANKS > 1
+  mr_delayed_wait(p, 0, n, i);
+#endif
   stage_combine(p, cb, i, 0, ua, ub, NR_WO, UPL_WO, tok);
+#if KOG_NRANKS > 1
+  mr_delayed_end(p, 0, n, i);
+#endif
   if (threadIdx.x == 0) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
   __syncthreads();
   tmark(p, n, ph, 1);
@@ -577,6 +765,9 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
       combine_finish(p, i, 0, l, r0 + lane, pick(acc, NR_WO, lane), cb + 2 * ((u - ua) * NR_WO + lane));
   }
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
+#if KOG_NRANKS > 1
+  mr_post_rows<NR_WO, U_WO>(p, 0, n, i, ua, ub, mr_ok);
+#endif
   tmark(p, n, ph, 2);
 }
 
@@ -588,6 +779,9 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
+#if KOG_NRANKS > 1
+  if (ua >= ub) { mr_early_wait(p, n, 2 * i + 1); mr_early_end(p, n, 2 * i + 1); return; }
+#endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
@@ -598,10 +792,16 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     else wait_lanes(p, C_WO, 0, L - 1, tgt);
   }
   __syncthreads();
+#if KOG_NRANKS > 1
+  mr_early_wait(p, n, s);
+#endif
   tmark(p, n, ph, 1);
   cp_async_wait_all();
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
               writer_mask(l0, l1, UPL_W13, ua, ub), red);
+#if KOG_NRANKS > 1
+  mr_early_end(p, n, s);
+#endif
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
@@ -622,6 +822,10 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
+#if KOG_NRANKS > 1
+  if (ua >= ub) { mr_delayed_wait(p, 1, n, i); mr_delayed_end(p, 1, n, i); return; }
+  const bool mr_ok = mr_post_begin(p, 1, n, i);
+#endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
   float* cb = sm + SM_STAGE;
@@ -632,7 +836,13 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
     else wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   }
   __syncthreads();
+#if KOG_NRANKS > 1
+  mr_delayed_wait(p, 1, n, i);
+#endif
   stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
+#if KOG_NRANKS > 1
+  mr_delayed_end(p, 1, n, i);
+#endif
   if (threadIdx.x == 0) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   __syncthreads();
   tmark(p, n, ph, 1);
@@ -652,6 +862,9 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
       combine_finish(p, i, 1, l, r0 + lane, pick(acc, NR_W2, lane), cb + 2 * ((u - ua) * NR_W2 + lane));
   }
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
+#if KOG_NRANKS > 1
+  mr_post_rows<NR_W2, U_W2>(p, 1, n, i, ua, ub, mr_ok);
+#endif
   tmark(p, n, ph, 2);
 }
 
@@ -769,11 +982,15 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     tmark(p, n, 5 * NL, 1);
     cp_async_wait_all();
     stage_norms(p, tmp, 2 * NL, 0, L, p.fnorm, tok, 0u, red);
+#if KOG_NRANKS > 1
+    mr_final(p, n, tmp, y);
+#else
     for (int d = tid; d < D; d += NT) {
       float a = tmp[d];
       for (int l = 1; l < L; ++l) a += tmp[l * D + d];
       y[d] = a / (float)L;
     }
+#endif
     __syncthreads();
     for (int u = ua + warp; u < ub; u += NW) {
       const int r0 = 2 * u;
@@ -829,6 +1046,9 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   } else {
     next = sample_full(p, sm, counter);
   }
+#if KOG_NRANKS > 1
+  if (mr_bail()) return;                 // an exchange of this token failed: write no token
+#endif
   if (tid == 0) {
     volatile int* ring = p.ring;
     volatile int* st = p.status;
@@ -839,7 +1059,11 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     for (int k = 0; k < p.n_eos; ++k) if (p.eos_ids[k] == next) reason = 1;
     if (!reason) for (int k = 0; k < p.n_stop; ++k) if (p.stop_ids[k] == next) reason = 2;
     if (!reason && n + 1 >= p.max_new) reason = 3;
+#if KOG_NRANKS > 1
+    if (!reason && mr_cancel_s) reason = 4;    // any rank's host raised cancel (the same on every rank)
+#else
     if (!reason && *(volatile const int*)p.cancel) reason = 4;
+#endif
     if (reason) {
       st[1] = reason;
       __threadfence_system();
@@ -861,9 +1085,19 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
     reinterpret_cast<u64*>(&ps)[x] = reinterpret_cast<const u64*>(pp)[x];
   __syncthreads();
   const Params& p = ps;
+#if KOG_NRANKS > 1
+  for (int x = threadIdx.x; x < (int)(sizeof(KcclDev) / 8); x += blockDim.x)
+    reinterpret_cast<u64*>(&kds)[x] = reinterpret_cast<const u64*>(p.kd)[x];
+  if (threadIdx.x == 0) mr_cancel_s = 0;
+  __syncthreads();
+#endif
   int tok = (int)p.first_token;
   for (int n = 0; n < p.max_new; ++n) {
     const int t = (int)p.start_pos + n;
+#if KOG_NRANKS > 1
+    if (threadIdx.x == 0) mr_n_s = n;    // read by hval / stage_combine (after the barriers below)
+    __syncthreads();
+#endif
     if (n > 0) {
       // next token's first weights into L2, then wait for the sampler
       int ua, ub;
@@ -872,9 +1106,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       prefetch_l2(p.w + (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV * sizeof(wt), PF);
       tmark(p, n, 5 * NL + 1, 0);
       if (threadIdx.x == 0) {
-        spin_until(CTR(p, C_TOKEN), (u64)n);
+        SPIN(p, CTR(p, C_TOKEN), (u64)n);
         tok_s = (int)__ldcg(CTR(p, C_TOKVAL));
         stop_s = (int)__ldcg(CTR(p, C_STOP));
+#if KOG_NRANKS > 1
+        if (mr_dead()) stop_s = 5;         // a kccl wait failed: the host reads comm.status
+#endif
       }
       __syncthreads();
       if (stop_s) return;
@@ -887,8 +1124,14 @@ extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __
       phase_wo(p, sm, n, i, tok);
       phase_w13(p, sm, n, i, tok);
       phase_w2(p, sm, n, i, tok);
+#if KOG_NRANKS > 1
+      if (mr_bail()) return;
+#endif
     }
     phase_lm(p, sm, n, tok);
+#if KOG_NRANKS > 1
+    if (mr_bail()) return;
+#endif
   }
 }
 
@@ -899,4 +1142,8 @@ extern "C" __global__ void monokernel_info(long long* out) {
   out[3] = VPOW2;
   out[4] = sizeof(Params);
   out[5] = LAYER_SZ;
+#if KOG_NRANKS > 1
+  out[6] = NPOST;
+  out[7] = FIN_FLOATS;
+#endif
 }

@@ -146,6 +146,38 @@ extern "C" __global__ void pf_combine(float* X, const float* __restrict__ P, con
   }
 }
 
+#if KOG_NRANKS > 1
+// several ranks: P and Pold hold EVERY lane's partials [LG][T][D] (gathered by the host between the
+// GEMMs), X this rank's lanes [L][T][D]; lane l of X is lane g0 + l of the model. The arithmetic of
+// pf_combine with L = LG, for the rank's lanes only (lane-order sums: the one-rank bits).
+extern "C" __global__ void pf_combine_mr(float* X, const float* __restrict__ P, const float* __restrict__ Pold,
+                                         int layer, int T, int g0) {
+  constexpr int LG = CFG_LG;
+  const long long n = (long long)T * D, LS = (long long)T * D;
+  const float sqrtL = sqrtf((float)LG);
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
+    const bool early = layer < DELTA;
+    if (!USE_COMM || (early && !USE_EARLY)) {
+      for (int l = 0; l < L; ++l) X[l * LS + x] += sqrtL * P[(g0 + l) * LS + x];
+    } else if (early) {
+      float tot = P[x];
+      for (int j = 1; j < LG; ++j) tot += P[j * LS + x];
+      for (int l = 0; l < L; ++l) X[l * LS + x] += tot;
+    } else {
+      float tot = 0.f;
+      if (Pold) {
+        tot = Pold[x];
+        for (int j = 1; j < LG; ++j) tot += Pold[j * LS + x];
+      }
+      for (int l = 0; l < L; ++l) {
+        const float dt = Pold ? tot - Pold[(g0 + l) * LS + x] : 0.f;
+        X[l * LS + x] += P[(g0 + l) * LS + x] + dt;
+      }
+    }
+  }
+}
+#endif
+
 // Y [L][T][FL][2] (gate, up interleaved) -> silu(gate) * up in the storage type [L][T][FL]
 extern "C" __global__ void pf_silu(const float* __restrict__ Y, wt* Hd, long long n) {
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {

@@ -1,0 +1,160 @@
+"""Host logic of the multi-rank `cuda` backend (N ranks, N divides num_lanes): rank r's monokernel is the
+one-rank kernel of the rank's sub-model (lanes [r*L/N, (r+1)*L/N), with their heads, kv heads and ffn
+rows) plus the kccl exchanges of monokernel.cu (`#if KOG_NRANKS > 1`, docs/monokernel.md "multi-rank").
+
+Everything here is plain Python (no CuPy), so tests/test_cuda_multirank.py checks it on a CPU: the lane
+ranges, the kernel's compile-time defines, the epoch schedule the kernel follows (mirrors mr_posted /
+mr_read_later / mr_index of monokernel.cu) and the communicator's slot sizes.
+
+STATUS: compile-checked only (nvcc -arch=sm_90, N = 2, 4, 8). Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+TAGS = ("attn", "mlp", "final")      # channels 1, 2, 3 of the CudaCommunicator (kernel: 1 + kind, CH_FIN)
+PREFILL_FLOATS = 1 << 18             # slot floats at least (the prefill's host-API gathers go in pieces)
+
+
+class RankView:
+    """The rank's sub-model as the cuda backend's host code sees a config: lane-dependent sizes are the
+    rank's, everything else (head_dim, hidden size, vocabulary, flags) is the model's. `full` is the
+    model's config, `lanes` the rank's global lane range."""
+
+    def __init__(self, cfg, rank: int, nranks: int):
+        self.full = cfg
+        self.rank, self.nranks = rank, nranks
+        self.lanes = cfg.lanes_of_rank(rank, nranks)        # refuses N not dividing num_lanes
+        self.num_lanes = len(self.lanes)
+        self.num_attention_heads = cfg.num_attention_heads // nranks
+        self.kv_heads = cfg.kv_heads // nranks
+        self.num_key_value_heads = self.kv_heads
+        self.intermediate_size = cfg.intermediate_size // nranks
+        self.head_dim = cfg.head_dim
+        self.heads_per_lane = cfg.heads_per_lane
+        self.kv_heads_per_lane = cfg.kv_heads_per_lane
+        self.ffn_per_lane = cfg.ffn_per_lane
+
+    def __getattr__(self, name):          # everything not lane-dependent: the model's
+        return getattr(self.full, name)
+
+
+def check(cfg, nranks: int) -> None:
+    """The multi-rank kernel's extra rules, refused with a one-line reason."""
+    if nranks < 1 or nranks > 8:
+        raise ValueError(f"cuda backend: {nranks} ranks (1..8 with kccl cuda_ipc)")
+    cfg.lanes_of_rank(0, nranks)
+    if nranks > 1 and cfg.use_comm and cfg.use_early_comm and cfg.num_hidden_layers <= cfg.broadcast_delay:
+        raise ValueError("cuda backend: several ranks need num_hidden_layers > broadcast_delay with "
+                         "use_early_comm (the last layer may not be an early all-reduce)")
+
+
+def defines(cfg, nranks: int) -> dict:
+    """What the multi-rank build changes in build.defines(): the rank's lanes / heads / kv heads / ffn
+    rows, the model's lane count and the rank count. Empty for one rank (the measured build)."""
+    if nranks <= 1:
+        return {}
+    return {"CFG_L": cfg.num_lanes // nranks, "CFG_H": cfg.num_attention_heads // nranks,
+            "CFG_KV": cfg.kv_heads // nranks, "CFG_F": cfg.intermediate_size // nranks,
+            "CFG_LG": cfg.num_lanes, "KOG_NRANKS": nranks}
+
+
+def blocks_per_rank(cfg, sms: int, ranks_on_device: int) -> int:
+    """Blocks of one rank's kernel when `ranks_on_device` ranks share a GPU (under MPS every persistent
+    kernel must be resident at once): the SMs split evenly, rounded down to a multiple of the rank's
+    lanes when that keeps >= 85% of the share (build.default_blocks' rule)."""
+    share = max(1, sms // max(1, ranks_on_device))
+    lr = cfg.num_lanes // max(1, cfg.nranks) if hasattr(cfg, "nranks") else cfg.num_lanes
+    nb = share - share % lr
+    return nb if nb >= 0.85 * share and nb > 0 else share
+
+
+# ---- the epoch schedule (monokernel.cu mr_posted / mr_read_later / mr_index) ----------------------
+def posted(cfg, i: int) -> bool:
+    """Layer i's partials are posted (both kinds): read by the early all-reduce and/or delta layers later."""
+    d, N = cfg.broadcast_delay, cfg.num_hidden_layers
+    return bool(cfg.use_comm and ((i < d and cfg.use_early_comm) or (i + d < N and (i >= d or cfg.early_layers_to_future))))
+
+
+def read_later(cfg, i: int) -> bool:
+    d, N = cfg.broadcast_delay, cfg.num_hidden_layers
+    return bool(cfg.use_comm and i + d < N and (i >= d or cfg.early_layers_to_future))
+
+
+def read_now(cfg, i: int) -> bool:
+    """Layer i is an early all-reduce (its consumer phase sums every lane's partial at once)."""
+    return bool(cfg.use_comm and cfg.use_early_comm and i < cfg.broadcast_delay and cfg.num_lanes > 1)
+
+
+def index(cfg, i: int) -> int:
+    return sum(1 for j in range(i) if posted(cfg, j))
+
+
+def npost(cfg) -> int:
+    """Epochs per token on each of the tags attn and mlp."""
+    return index(cfg, cfg.num_hidden_layers)
+
+
+def schedule(cfg, e0: int = 1, tokens: int = 1):
+    """[(token, layer, epoch, reads, ack_at)] of one tag for `tokens` tokens: reads lists the layers whose
+    phases read the epoch (the layer itself for an early all-reduce, layer + delta for the delayed term);
+    ack_at is the last of them (the readers' kccl_collect_end)."""
+    out = []
+    d = cfg.broadcast_delay
+    for n in range(tokens):
+        for i in range(cfg.num_hidden_layers):
+            if not posted(cfg, i):
+                continue
+            reads = ([i] if read_now(cfg, i) else []) + ([i + d] if read_later(cfg, i) else [])
+            out.append((n, i, e0 + n * npost(cfg) + index(cfg, i), reads, reads[-1] if reads else None))
+    return out
+
+
+def max_in_flight(cfg) -> int:
+    """Most epochs of one tag a rank holds posted and not yet acked when it posts the next one (a
+    producer phase posts before it acks the delayed epoch it reads; an early-only epoch counts as
+    acked one layer later): the ring depth must be at least this."""
+    NL, d = cfg.num_hidden_layers, cfg.broadcast_delay
+    ev = []
+    for n, i, _, reads, ack in schedule(cfg, 1, 3):
+        g = n * NL + i
+        ev.append((g, g + (ack - i if ack is not None and ack > i else 1)))
+    best = 0
+    for gp, _ in ev:
+        best = max(best, sum(1 for gf, ga in ev if gf <= gp and ga >= gp))
+    return best
+
+
+def depth(cfg) -> int:
+    """Ring depth of every tag: delta + 2 (delta + 1 needed, one more of slack; docs/kccl-gpu.md)."""
+    return max(cfg.broadcast_delay + 2, max_in_flight(cfg))
+
+
+def final_floats(cfg, nranks: int) -> int:
+    """The final exchange's payload: the rank's normed rows [L/N][D] and its cancel word (4 floats)."""
+    return (cfg.num_lanes // nranks) * cfg.hidden_size + 4
+
+
+def max_floats(cfg, nranks: int) -> int:
+    """Slot capacity for CudaCommunicator.create: the final payload, and the prefill gathers' pieces."""
+    return max(final_floats(cfg, nranks), PREFILL_FLOATS)
+
+
+def comm_kwargs(cfg, nranks: int, timeout: float = 30.0) -> dict:
+    return dict(max_floats=max_floats(cfg, nranks), depth=depth(cfg), tags=TAGS, timeout=timeout)
+
+
+def window_bytes(cfg, nranks: int) -> int:
+    """Bytes of one rank's IPC window (kccl.cuda_ipc.CudaLayout with comm_kwargs)."""
+    from kccl.cuda_ipc import COLL_DEPTH, CudaLayout
+    kw = comm_kwargs(cfg, nranks)
+    lay = CudaLayout(nranks, 4 * kw["max_floats"], (("_coll", COLL_DEPTH),) + tuple((t, kw["depth"]) for t in TAGS))
+    return lay.size
+
+
+def epochs_run(cfg, tokens: int) -> dict:
+    """What a launch that decoded `tokens` tokens posted on each tag (CudaCommunicator.advance)."""
+    return {"attn": tokens * npost(cfg), "mlp": tokens * npost(cfg), "final": tokens}
+
+
+def gather_pieces(total: int, piece: int):
+    """[(start, stop)] covering [0, total) in pieces of at most `piece` floats (the host-API gathers)."""
+    return [(a, min(total, a + piece)) for a in range(0, total, piece)]
