@@ -86,16 +86,22 @@ def run(a) -> int:
     from .factory import make_backend, resolve
     from .rank import KcclExchange, RankGroup, follow, make_agree
     kind = resolve(a.backend)
-    if kind == "cuda" and size > 1:
-        if a.backend == "cuda":
-            raise ValueError(f"the cuda backend runs all lanes on one rank in this version; start 1 rank, "
-                             f"or use --backend cpu for {size}")
-        kind = "cpu"   # auto: the multi-rank path that exists
+    if kind == "cuda" and size > 1 and a.backend != "cuda":
+        # auto keeps cpu for several ranks until the multi-rank cuda backend (compile-checked only) has
+        # passed tests/gpu_multirank.sh on a GPU; --backend cuda asks for it explicitly
+        kind = "cpu"
         if rank == 0:
-            log(f"--backend auto: the cuda backend is single-rank in this version; using cpu for {size} ranks")
+            log(f"--backend auto: the multi-rank cuda backend is not verified on a GPU yet; using cpu for "
+                f"{size} ranks (--backend cuda to try it)")
     max_floats = max(cfg.hidden_size, 1 << 16)
     comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
                                     depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
+    gcomm = None   # --backend cuda, several ranks: the monokernels exchange through kccl cuda_ipc
+    if kind == "cuda" and size > 1:
+        import cupy as cp
+        from workers.cuda.multirank import comm_kwargs
+        cp.cuda.Device(rank % cp.cuda.runtime.getDeviceCount()).use()   # before create (one GPU: MPS)
+        gcomm = kccl.Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, size))
     if rank != 0 and not a.oneshot:
         # SIGTERM reaches every rank (mpiexec, scancel); rank 0 winds the job down and tells the
         # followers to exit, so they must outlive it rather than die mid-exchange.
@@ -106,7 +112,7 @@ def run(a) -> int:
         backend, cfg = make_backend(kind, model, lanes=lanes, max_seq=a.max_seq,
                                     exchange=KcclExchange(comm) if size > 1 else None,
                                     agree=make_agree(comm), num_slots=max(1, a.slots),
-                                    progress=None if rank == 0 else False, comm=comm,
+                                    progress=None if rank == 0 else False, comm=gcomm or comm,
                                     prefill_chunk=max_floats // cfg.hidden_size)
         if rank != 0 and not a.oneshot:
             return follow(backend, comm, log)
@@ -116,6 +122,8 @@ def run(a) -> int:
             f"binding {placed}")
         return _serve(a, model, cfg, backend, comm)
     finally:
+        if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
+            gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
         comm.close()
 
 

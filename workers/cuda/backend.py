@@ -2,9 +2,14 @@
 whole generation. Tokens come back through host-mapped memory while the kernel runs; the host raises a
 host-mapped cancel flag that the kernel reads once per token.
 
-This version runs every lane on one GPU (one rank). Stop rules and results follow workers/cpu_backend.py
-exactly: the host applies them to the tokens in order; the kernel stops by itself on EOS / stop ids /
-max tokens / cancel, so it never runs more than one token past the host's decision.
+One rank runs every lane (the measured path). With a kccl `cuda_ipc` CudaCommunicator of N > 1 ranks
+(`comm`), rank r runs lanes [r*L/N, (r+1)*L/N) and its monokernel (built with KOG_NRANKS = N)
+exchanges lane partials with the other ranks through kccl.cuh; every rank samples the same token.
+THE MULTI-RANK PATH IS COMPILE-CHECKED ONLY: not yet run on a GPU (docs/kccl-gpu.md "multi-rank
+monokernel", tests/gpu_multirank.sh). Stop rules and results follow workers/cpu_backend.py exactly: the
+host applies them to the tokens in order; the kernel stops by itself on EOS / stop ids / max tokens /
+cancel, so it never runs more than one token past the host's decision (two with several ranks: the
+cancel word travels with the final-norm exchange of the next token).
 """
 from __future__ import annotations
 
@@ -58,16 +63,38 @@ class CudaBackend(Backend):
         from .prefill import Prefill
         from .weights import load_checkpoint
         self.cp = cp
-        if comm is not None and getattr(comm, "size", 1) > 1:
-            raise ValueError("the cuda backend runs all lanes on one GPU in this version (one rank)")
-        if weights is None:
-            cfg = cfg or load_config(model_dir)
-            weights = load_checkpoint(model_dir, cfg, dtype, progress)
-        self.cfg = cfg = weights.cfg
-        if lanes is not None and len(lanes) != cfg.num_lanes:
-            raise ValueError("the cuda backend runs all lanes on one GPU in this version (one rank)")
+        self.nranks = getattr(comm, "size", 1) if comm is not None else 1
+        self.comm = comm if self.nranks > 1 else None
+        if self.nranks > 1:
+            from .multirank import RankView, blocks_per_rank, check
+            if not hasattr(comm, "dev_ptr"):
+                raise ValueError("the cuda backend with several ranks needs a kccl 'cuda_ipc' communicator "
+                                 "(kccl.cuda_ipc.CudaCommunicator), not " + type(comm).__name__)
+            full = cfg or (weights.cfg.full if weights is not None else load_config(model_dir))
+            check(full, self.nranks)
+            view = RankView(full, comm.rank, self.nranks)
+            if lanes is not None and tuple(lanes) != tuple(view.lanes):
+                raise ValueError(f"rank {comm.rank}: lanes {lanes} differ from the cuda backend's {view.lanes}")
+            if weights is None:
+                weights = load_checkpoint(model_dir, full, dtype, progress, view=view)
+            if nblocks is None:
+                sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+                bus = getattr(comm, "bus_ids", None) or [0] * self.nranks
+                nblocks = blocks_per_rank(view, sms, bus.count(bus[comm.rank]))
+            self.cfg, self.rcfg = full, view
+            self.hang_s = max(self.hang_s, float(getattr(comm, "timeout", 30.0)) + 10.0)
+        else:
+            if weights is None:
+                cfg = cfg or load_config(model_dir)
+                weights = load_checkpoint(model_dir, cfg, dtype, progress)
+            self.cfg = self.rcfg = weights.cfg
+            if lanes is not None and len(lanes) != self.cfg.num_lanes:
+                raise ValueError("the cuda backend runs all lanes on one rank unless given a kccl cuda_ipc "
+                                 "communicator of several ranks")
+        cfg = self.cfg
         self.dw = weights
-        self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines)
+        self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
+                       nranks=self.nranks)
         self.nblocks = int(self.k.defines["CFG_NB"])
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")
@@ -76,20 +103,23 @@ class CudaBackend(Backend):
         self.tokens = [[] for _ in range(num_slots)]
         self.caches = [None] * num_slots
         self.rope = rope_table(cfg, self.max_seq)
-        self.prefill = Prefill(cfg, weights, self.k, prefill_chunk, self.rope)
-        L, D, N, V, H, KV, hd = (cfg.num_lanes, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size,
-                                 cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim)
+        rc = self.rcfg                    # the shapes this rank computes (all lanes with one rank)
+        self.prefill = Prefill(rc, weights, self.k, prefill_chunk, self.rope, self.comm)
+        L, D, N, V, H, KV, hd = (rc.num_lanes, rc.hidden_size, rc.num_hidden_layers, rc.vocab_size,
+                                 rc.num_attention_heads, rc.kv_heads, rc.head_dim)
         f32 = cp.float32
         self.buf = {
             "q": cp.empty(H * hd, f32),
             "attp": cp.empty(KV * self.k.nch * (H // KV) * (hd + 2), f32),
-            "hid": cp.empty(cfg.intermediate_size, f32),
+            "hid": cp.empty(rc.intermediate_size, f32),
             "part": cp.empty(N * 2 * L * D, f32),
             "hres": cp.empty((2 * N + 1) * L * D, f32),
             "logits": cp.empty(V, f32),
             "cand_v": cp.empty(self.nblocks, f32),
             "cand_i": cp.empty(self.nblocks, cp.int32),
         }
+        if self.nranks > 1:
+            self.buf["yfin"] = cp.zeros(self.k.fin_floats, f32)
         self.ctr = cp.zeros(self.k.nctr, cp.uint64)
         self.sortbuf = cp.empty(self.k.vpow2, cp.uint64)
         self.params = cp.zeros(N_PARAMS, cp.uint64)
@@ -116,13 +146,13 @@ class CudaBackend(Backend):
 
     def _cache(self, slot: int):
         if self.caches[slot] is None:
-            cfg, cp = self.cfg, self.cp
+            cfg, cp = self.rcfg, self.cp
             shape = (cfg.num_hidden_layers, cfg.kv_heads, self.max_seq, cfg.head_dim)
             self.caches[slot] = (cp.zeros(shape, self.dw.w.dtype), cp.zeros(shape, self.dw.w.dtype))
         return self.caches[slot]
 
     def kv_bytes_per_slot(self) -> int:
-        cfg = self.cfg
+        cfg = self.rcfg
         return 2 * cfg.num_hidden_layers * cfg.kv_heads * self.max_seq * cfg.head_dim * self.dw.w.itemsize
 
     # -- one request ---------------------------------------------------------------------------------
@@ -198,7 +228,7 @@ class CudaBackend(Backend):
             s.synchronize()
         except Exception as e:  # noqa: BLE001
             print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
-        L = self.cfg.num_lanes
+        L = self.rcfg.num_lanes
         host = host[::self.ctr.size // (5 * L + 4)]    # counters sit CTR_STRIDE words apart
         print(f"monokernel hang after {seen} tokens; status {list(self.status.a)}", file=sys.stderr)
         for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2")):
@@ -221,6 +251,12 @@ class CudaBackend(Backend):
             h[55] = self._timing.data.ptr
             h.view(np.int64)[56] = int(self._timing_token)
         h[57] = self.rope.data.ptr
+        if self.nranks > 1:
+            from .multirank import TAGS
+            h[58] = self.comm.dev_ptr
+            for j, tag in enumerate(TAGS):
+                h.view(np.int64)[59 + j] = self.comm.next_epoch(tag)
+            h[62] = self.buf["yfin"].data.ptr
         i64 = h.view(np.int64)
         f64 = h.view(np.float64)
         i64[21], i64[22], i64[23], i64[24] = start_pos, first, max_new, self.max_seq
@@ -236,8 +272,25 @@ class CudaBackend(Backend):
             i64[47 + j] = s
         self.params.set(h, stream=self.stream)
 
+    _watch_t = 0.0
+
+    def _watch(self):
+        """Several ranks: every ~0.1 s, a dead peer raises the abort word (the kernel's waits give up)."""
+        now = time.perf_counter()
+        if now - self._watch_t >= 0.1:
+            self._watch_t = now
+            self.comm.watch()
+
+    def _after_kernel(self):
+        """Several ranks: raise what a kccl wait reported (PeerLost / KcclTimeout / KcclError), else
+        record the epochs the launch used (every rank ran the same tokens: they sample the same ids)."""
+        from .multirank import epochs_run
+        self.comm.raise_for_status("decode")
+        for tag, count in epochs_run(self.cfg, int(self.status.a[0])).items():
+            self.comm.advance(tag, count)
+
     def _poison(self):
-        for name in ("q", "attp", "hid", "part", "hres", "logits", "cand_v"):
+        for name in ("q", "attp", "hid", "part", "hres", "logits", "cand_v") + (("yfin",) if self.nranks > 1 else ()):
             self.buf[name].fill(np.nan)
         self.ctr.fill(0)
         self.ring.a[:] = -1
@@ -290,9 +343,17 @@ class CudaBackend(Backend):
                     if int(status[0]) > seen:
                         continue
                 break
+            if self.comm is not None:
+                self._watch()
             if time.perf_counter() - last_progress > self.hang_s:
                 self._hang_report(seen)
+        if self.comm is not None:
+            while not ev1.done:          # the host stopped reading: the kernel stops within two tokens
+                self._watch()
+                time.sleep(0.001)
         ev1.synchronize()
+        if self.comm is not None:
+            self._after_kernel()
         self.last_kernel_ms = cp.cuda.get_elapsed_time(ev0, ev1)
         self.last_timing = self._timing.get() if self._timing is not None else None
         if reason is None:

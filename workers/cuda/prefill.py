@@ -17,9 +17,16 @@ DT_CODE = {"BF16": CUDA_R_16BF, "F16": CUDA_R_16F, "F32": CUDA_R_32F}
 
 
 class Prefill:
-    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None):
+    """cfg: the shapes this rank computes (the model's config, or a multirank.RankView). comm (several
+    ranks, a kccl CudaCommunicator): each layer's partials [L/N][T][D] are gathered into every lane's
+    [L][T][D] with host-API all-reduces of zero-padded pieces between the GEMMs (x + 0 + ... = x), and
+    pf_combine_mr applies the combine to the rank's lanes in lane order (the one-rank arithmetic).
+    Multi-rank: compile-checked only, not yet run on a GPU."""
+
+    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None):
         import cupy as cp
         self.cfg, self.dw, self.k = cfg, dw, kernels
+        self.comm = comm if comm is not None and getattr(comm, "size", 1) > 1 else None
         self.max_chunk = max_chunk
         self.rope = rope
         self.cp = cp
@@ -62,6 +69,9 @@ class Prefill:
         rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
         delta = cfg.broadcast_delay
         st = dw.w.dtype
+        if self.comm is not None:
+            LG = cfg.full.num_lanes
+            self._all = self._buf("PA", (delta + 1, 2, LG, T, D), cp.float32)
         ids_d = cp.asarray(np.asarray(ids, dtype=np.int32))
         X = self._buf("X", (L, T, D), cp.float32)
         Xn = self._buf("Xn", (L, T, max(D, fl, hdl)), st)
@@ -92,11 +102,33 @@ class Prefill:
             fn["pf_silu"](grid(L * T * fl), (256,), (y, hb, np.int64(L * T * fl)))
             self._combine_kind(i, 1, r["w2"], D, fl, hb, T, parts, X)
 
+    def _gather(self, P, dst):
+        """dst [LG][T][D] = every rank's P [L][T][D] at its lanes (zeros elsewhere, summed over ranks)."""
+        from .multirank import gather_pieces
+        dst.fill(0)
+        g0 = self.cfg.lanes.start
+        dst[g0:g0 + P.shape[0]] = P
+        flat = dst.reshape(-1)
+        for a, b in gather_pieces(flat.size, self.comm.max_floats):
+            self.comm.allreduce(flat[a:b], out=flat[a:b])
+
     def _combine_kind(self, i, kind, W, m, K, inp, T, parts, X):
         cfg, fn = self.cfg, self.k.fn
         delta = cfg.broadcast_delay
         P = parts[i % (delta + 1), kind]
         self._gemm(W, m, K, inp, T, P)
+        if self.comm is not None:
+            PA = self._all[i % (delta + 1), kind]
+            self._gather(P, PA)
+            j = i - delta
+            old = None
+            if cfg.use_comm and j >= 0 and (j >= delta or cfg.early_layers_to_future):
+                old = self._all[j % (delta + 1), kind]
+            n = T * cfg.hidden_size
+            grid = (int(max(1, min(65535, (n + 255) // 256))),)
+            fn["pf_combine_mr"](grid, (256,), (X, PA, old if old is not None else np.uint64(0), np.int32(i),
+                                              np.int32(T), np.int32(cfg.lanes.start)))
+            return
         old = None
         j = i - delta
         if cfg.use_comm and j >= 0 and (j >= delta or cfg.early_layers_to_future):

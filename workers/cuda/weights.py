@@ -73,8 +73,9 @@ class DeviceWeights:
         return n + (0 if self.lm is self.emb else self.lm.nbytes)
 
 
-def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress=None) -> DeviceWeights:
-    """Read a checkpoint (all lanes) and upload it in the streaming layout."""
+def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress=None, view=None) -> DeviceWeights:
+    """Read a checkpoint and upload it in the streaming layout: all lanes, or with `view` (a
+    multirank.RankView of this config) the rank's lanes only (embedding and LM head replicated)."""
     import cupy as cp
     from kog_dist.checkpoint import CheckpointReader
     from kog_dist.progress import Progress
@@ -82,16 +83,18 @@ def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress
     cfg = reader.cfg
     src_dt = reader.dtype("model.layers.0.attention.wq.weight")
     dtype = dtype or src_dt
-    dw = DeviceWeights(cfg, dtype)
-    N, L, D = cfg.num_hidden_layers, cfg.num_lanes, cfg.hidden_size
+    dw = DeviceWeights(view if view is not None else cfg, dtype)
+    N, L, D = cfg.num_hidden_layers, dw.cfg.num_lanes, cfg.hidden_size
+    lanes = view.lanes if view is not None else None
 
-    def raw(name):
-        a, dt = reader.raw(name)
+    def raw(name, lane_first=False):
+        a, dt = reader.raw(name, lanes) if lane_first and lanes is not None else reader.raw(name)
         return _to_storage(a, dt, dtype)
 
     def norm(prefix):
-        name = prefix + (".weight" if cfg.replicated_rmsn_scale else ".scale")
-        return np.broadcast_to(reader.tensor(name), (L, D))
+        if cfg.replicated_rmsn_scale:
+            return np.broadcast_to(reader.tensor(prefix + ".weight"), (L, D))
+        return np.broadcast_to(reader.tensor(prefix + ".scale", lanes), (L, D))
 
     total = N + 2
     if progress is None:
@@ -100,13 +103,13 @@ def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress
         for i in range(N):
             p = f"model.layers.{i}."
             r = dw.regions(i)
-            qkv = np.concatenate([raw(p + "attention.wq.weight"), raw(p + "attention.wk.weight"),
-                                  raw(p + "attention.wv.weight")], axis=1)
+            qkv = np.concatenate([raw(p + "attention.wq.weight", True), raw(p + "attention.wk.weight", True),
+                                  raw(p + "attention.wv.weight", True)], axis=1)
             r["qkv"][...] = cp.asarray(qkv)
-            r["wo"][...] = cp.asarray(raw(p + "attention.wo.weight"))
-            r["w13"][...] = cp.asarray(np.stack([raw(p + "feed_forward.w1.weight"),
-                                                 raw(p + "feed_forward.w3.weight")], axis=2))
-            r["w2"][...] = cp.asarray(raw(p + "feed_forward.w2.weight"))
+            r["wo"][...] = cp.asarray(raw(p + "attention.wo.weight", True))
+            r["w13"][...] = cp.asarray(np.stack([raw(p + "feed_forward.w1.weight", True),
+                                                 raw(p + "feed_forward.w3.weight", True)], axis=2))
+            r["w2"][...] = cp.asarray(raw(p + "feed_forward.w2.weight", True))
             dw.norms[i, 0] = cp.asarray(norm(p + "attention_norm"))
             dw.norms[i, 1] = cp.asarray(norm(p + "ffn_norm"))
             bar.advance(1)
