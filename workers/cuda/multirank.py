@@ -11,7 +11,7 @@ STATUS: compile-checked only (nvcc -arch=sm_90, N = 2, 4, 8). Not yet run on a G
 from __future__ import annotations
 
 TAGS = ("attn", "mlp", "final")      # channels 1, 2, 3 of the CudaCommunicator (kernel: 1 + kind, CH_FIN)
-PREFILL_FLOATS = 1 << 18             # slot floats at least (the prefill's host-API gathers go in pieces)
+PREFILL_FLOATS = 1 << 16             # slot floats at least (the prefill's host-API gathers go in pieces)
 
 
 class RankView:
@@ -62,7 +62,7 @@ def blocks_per_rank(cfg, sms: int, ranks_on_device: int) -> int:
     kernel must be resident at once): the SMs split evenly, rounded down to a multiple of the rank's
     lanes when that keeps >= 85% of the share (build.default_blocks' rule)."""
     share = max(1, sms // max(1, ranks_on_device))
-    lr = cfg.num_lanes // max(1, cfg.nranks) if hasattr(cfg, "nranks") else cfg.num_lanes
+    lr = cfg.num_lanes                  # a RankView: the rank's lanes
     nb = share - share % lr
     return nb if nb >= 0.85 * share and nb > 0 else share
 
