@@ -130,6 +130,12 @@ class CudaBackend(Backend):
         self.last_kernel_ms = 0.0
         self.last_prefill_ms = 0.0
         self.cancel_raised_at = -1
+        if self.comm is not None:
+            # every rank built and uploaded before any kernel waits on a peer (those waits are bounded
+            # by comm.timeout; a host rendezvous is not)
+            rdv = getattr(self.comm, "_rdv", None)
+            if rdv is not None:
+                rdv.barrier()
 
     # -- state ---------------------------------------------------------------------------------------
     def cached(self, slot: int) -> int:
@@ -211,8 +217,23 @@ class CudaBackend(Backend):
             return
         self._argval = ctypes.c_uint64(self.params.data.ptr)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._argval))
-        launch(fptr, self.nblocks, 1, 1, 512, 1, 1, self.k.smem_bytes, self.stream.ptr,
-               ctypes.addressof(self._argv))
+        if self.comm is not None and self.cooperative is False:
+            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes)
+            return
+        try:
+            launch(fptr, self.nblocks, 1, 1, 512, 1, 1, self.k.smem_bytes, self.stream.ptr,
+                   ctypes.addressof(self._argv))
+        except Exception as e:  # noqa: BLE001
+            if self.comm is None:
+                raise
+            # several ranks on one GPU (MPS): if the driver refuses a cooperative launch, a plain one
+            # (SMs / ranks blocks per rank fit together on an otherwise idle GPU)
+            import sys
+            print(f"[kog] rank {self.comm.rank}: cooperative launch refused ({e}); plain launch",
+                  file=sys.stderr, flush=True)
+            self.cooperative = False
+            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes)
+            return
         self.cooperative = True
 
     def _hang_report(self, seen):
@@ -358,7 +379,8 @@ class CudaBackend(Backend):
         self.last_timing = self._timing.get() if self._timing is not None else None
         if reason is None:
             code = int(status[1])
-            if code == 0 or code == 4:
+            # code 4 without a host decision: another rank's host cancelled (several ranks stop together)
+            if code == 0 or (code == 4 and self.comm is None):
                 raise RuntimeError(f"monokernel ended without a stop reason after {seen} tokens (code {code})")
             reason = REASONS[code]
             if reason == "length" and len(toks) != max_new:

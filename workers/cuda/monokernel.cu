@@ -187,11 +187,18 @@ __device__ __forceinline__ bool mr_bail() {
   __syncthreads();
   return mr_flag_s != 0;
 }
-// sum over all LG lanes (lane order) of the partials of epoch e, element r; own: lane g's value
-__device__ __forceinline__ float mr_lane_sum(int c, u64 e, int r, int g, float* own) {
+// rank 0's payload of epoch e on channel c in this rank's window; rank q's is q * stride bytes further
+__device__ __forceinline__ const char* mr_slot0(int c, u64 e, long long& stride) {
+  const char* p0 = kccl_slot(kds, c, 0, e);
+  stride = kccl_slot(kds, c, 1, e) - p0;
+  return p0;
+}
+// sum over all LG lanes (lane order) of the partials of an epoch (slot0/stride: mr_slot0), element r;
+// own: lane g's value
+__device__ __forceinline__ float mr_lane_sum(const char* p0, long long stride, int r, int g, float* own) {
   float P[LG];
 #pragma unroll
-  for (int j = 0; j < LG; ++j) P[j] = __ldcg((const float*)kccl_slot(kds, c, j / L, e) + (long long)(j % L) * D + r);
+  for (int j = 0; j < LG; ++j) P[j] = __ldcg((const float*)(p0 + (j / L) * stride) + (j % L) * D + r);
   float tot = P[0], o = P[0];
 #pragma unroll
   for (int j = 1; j < LG; ++j) {
@@ -280,7 +287,9 @@ __device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int 
   if (fused_step(s)) return hbase(p, s, l, d, tok);
   const int i = (s - 1) / 2, kind = (s - 1) & 1;
 #if KOG_NRANKS > 1
-  const float tot = mr_lane_sum(1 + kind, mr_epoch(p, kind, mr_n_s, i), d, 0, nullptr);
+  long long st;
+  const char* p0 = mr_slot0(1 + kind, mr_epoch(p, kind, mr_n_s, i), st);
+  const float tot = mr_lane_sum(p0, st, d, 0, nullptr);
 #else
   const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D + d;
   float tot = ldf(pp);
@@ -363,6 +372,10 @@ __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int u
   const int s = 2 * i + 1 + kind;
   if (!fused_step(s)) return;
   const int n = (ub - ua) * nr;
+#if KOG_NRANKS > 1
+  long long mr_st = 0;
+  const char* mr_p0 = has_delayed(i) ? mr_slot0(1 + kind, mr_epoch(p, kind, mr_n_s, i - DELTA), mr_st) : nullptr;
+#endif
   for (int x = threadIdx.x; x < n; x += NT) {
     const int u = ua + x / nr, l = u / upl, r = (u % upl) * nr + x % nr;
     const float base = hbase(p, s - 1, l, r, tok);
@@ -370,7 +383,7 @@ __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int u
     if (has_delayed(i)) {
 #if KOG_NRANKS > 1
       float own;
-      const float tot = mr_lane_sum(1 + kind, mr_epoch(p, kind, mr_n_s, i - DELTA), r, (int)kds.rank * L + l, &own);
+      const float tot = mr_lane_sum(mr_p0, mr_st, r, (int)kds.rank * L + l, &own);
       dt = tot - own;
 #else
       const float* pp = p.part + ((long long)((i - DELTA) * 2 + kind) * L) * D + r;
@@ -480,14 +493,16 @@ __device__ void mr_final(const Params& p, int n, const float* tmp, float* y) {
     }
   }
   kccl_wait(kds, CH_FIN, e);
+  long long st;
+  const char* p0 = mr_slot0(CH_FIN, e, st);
   for (int d = threadIdx.x; d < D; d += NT) {
-    float a = __ldcg((const float*)kccl_slot(kds, CH_FIN, 0, e) + d);
-    for (int j = 1; j < LG; ++j) a += __ldcg((const float*)kccl_slot(kds, CH_FIN, j / L, e) + (long long)(j % L) * D + d);
+    float a = __ldcg((const float*)p0 + d);
+    for (int j = 1; j < LG; ++j) a += __ldcg((const float*)(p0 + (j / L) * st) + (j % L) * D + d);
     y[d] = a / (float)LG;
   }
   if (threadIdx.x == 0) {
     int c = 0;
-    for (int r = 0; r < NRK; ++r) c |= __float_as_int(__ldcg((const float*)kccl_slot(kds, CH_FIN, r, e) + L * D));
+    for (int r = 0; r < NRK; ++r) c |= __float_as_int(__ldcg((const float*)(p0 + r * st) + L * D));
     mr_cancel_s = c;
   }
   kccl_collect_end(kds, CH_FIN, e, NB);
