@@ -72,6 +72,9 @@ def test_ranks_must_divide_lanes():
         mr.check(_cfg(num_lanes=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=512), 16)
     with pytest.raises(ValueError, match="num_hidden_layers > broadcast_delay"):
         mr.check(_cfg(num_lanes=4, num_hidden_layers=2, broadcast_delay=2), 2)
+    with pytest.raises(ValueError, match="16 at most"):
+        mr.check(_cfg(num_lanes=4, num_hidden_layers=40, broadcast_delay=15), 2)
+    mr.check(_cfg(num_lanes=4, num_hidden_layers=40, broadcast_delay=14), 2)
 
 
 def test_one_rank_defines_are_the_measured_build():

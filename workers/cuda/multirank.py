@@ -45,6 +45,9 @@ def check(cfg, nranks: int) -> None:
     if nranks > 1 and cfg.use_comm and cfg.use_early_comm and cfg.num_hidden_layers <= cfg.broadcast_delay:
         raise ValueError("cuda backend: several ranks need num_hidden_layers > broadcast_delay with "
                          "use_early_comm (the last layer may not be an early all-reduce)")
+    if nranks > 1 and depth(cfg) > 16:
+        raise ValueError(f"cuda backend: broadcast_delay={cfg.broadcast_delay} needs a kccl ring of "
+                         f"{depth(cfg)} slots (16 at most)")
 
 
 def defines(cfg, nranks: int) -> dict:
