@@ -70,6 +70,10 @@ class CudaBackend(Backend):
             if not hasattr(comm, "dev_ptr"):
                 raise ValueError("the cuda backend with several ranks needs a kccl 'cuda_ipc' communicator "
                                  "(kccl.cuda_ipc.CudaCommunicator), not " + type(comm).__name__)
+            from .multirank import TAGS
+            if [comm.channel(t) for t in TAGS] != [1, 2, 3]:   # the kernel's channels 1 + kind and CH_FIN
+                raise ValueError(f"the cuda_ipc communicator must be created with tags={TAGS} "
+                                 "(multirank.comm_kwargs)")
             full = cfg or (weights.cfg.full if weights is not None else load_config(model_dir))
             check(full, self.nranks)
             view = RankView(full, comm.rank, self.nranks)
