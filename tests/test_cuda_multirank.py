@@ -420,3 +420,33 @@ def test_killed_rank_makes_the_others_exit(tiny_l8, tmp_path):
     assert all(int(w[2]) == 2 and float(w[3]) < 90 for w in lost), res.output[-6000:]
     assert res.returncodes[:2] == [1, 1] and res.returncodes[2] not in (0, 1, 2, 3), res.returncodes
     assert "NOERROR" not in res.stdout
+
+
+def test_params_layout_matches_the_backend():
+    """monokernel.cu's Params words (each field 8 bytes, arrays of them) against the indices backend.py
+    writes: 58 kccl pointer, 59..61 first epochs (attn, mlp, final), 62 yfin; N_PARAMS holds them."""
+    import re
+    from workers.cuda.backend import N_PARAMS
+    src = open(os.path.join(REPO, "workers", "cuda", "monokernel.cu")).read()
+    body = src[src.index("struct Params {"):src.index("};", src.index("struct Params {"))]
+    words, names, multi = 0, {}, False
+    for line in body.splitlines()[1:]:
+        t = line.strip()
+        if t.startswith("#if KOG_NRANKS > 1"):
+            multi = True
+            continue
+        if t.startswith("#"):
+            continue
+        m = re.match(r"[\w\s\*]+?[\s\*](\w+)(\[(\d+)\])?;\s*//\s*(\d+)", t)
+        if not m:
+            continue
+        name, count, comment = m.group(1), int(m.group(3) or 1), int(m.group(4))
+        assert comment == words, (name, comment, words)      # the comment says the word index
+        names[name] = (words, multi)
+        words += count
+    assert names["rope"] == (57, False) and names["kd"] == (58, True)
+    assert names["e0"] == (59, True) and names["yfin"] == (62, True) and words == 63 <= N_PARAMS
+    bsrc = open(os.path.join(REPO, "workers", "cuda", "backend.py")).read()
+    assert "h[58] = self.comm.dev_ptr" in bsrc and "[59 + j] = self.comm.next_epoch(tag)" in bsrc
+    assert 'h[62] = self.buf["yfin"].data.ptr' in bsrc
+    assert mr.TAGS == ("attn", "mlp", "final")
