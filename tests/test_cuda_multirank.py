@@ -413,12 +413,12 @@ def test_multirank_ids_equal_one_rank(tiny_l8, n):
 def test_killed_rank_makes_the_others_exit(tiny_l8, tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from mpi_helpers import run_plain
-    res = run_plain(3, RANK_KILLED, args=(tiny_l8,), timeout=300, folder=str(tmp_path))
+    res = run_plain(4, RANK_KILLED, args=(tiny_l8,), timeout=300, folder=str(tmp_path))   # N divides L = 8
     print(res.output[-4000:])
     lost = [line.split() for line in res.stdout.splitlines() if line.startswith("LOST")]
-    assert sorted(int(w[1]) for w in lost) == [0, 1], res.output[-6000:]
-    assert all(int(w[2]) == 2 and float(w[3]) < 90 for w in lost), res.output[-6000:]
-    assert res.returncodes[:2] == [1, 1] and res.returncodes[2] not in (0, 1, 2, 3), res.returncodes
+    assert sorted(int(w[1]) for w in lost) == [0, 1, 2], res.output[-6000:]
+    assert all(int(w[2]) == 3 and float(w[3]) < 90 for w in lost), res.output[-6000:]
+    assert res.returncodes[:3] == [1, 1, 1] and res.returncodes[3] not in (0, 1, 2, 3), res.returncodes
     assert "NOERROR" not in res.stdout
 
 

@@ -87,12 +87,12 @@ def run(a) -> int:
     from .rank import KcclExchange, RankGroup, follow, make_agree
     kind = resolve(a.backend)
     if kind == "cuda" and size > 1 and a.backend != "cuda":
-        # auto keeps cpu for several ranks until the multi-rank cuda backend (compile-checked only) has
-        # passed tests/gpu_multirank.sh on a GPU; --backend cuda asks for it explicitly
+        # auto keeps cpu for several ranks until the multi-rank cuda backend has run through kog-worker
+        # and across GPUs; so far its ids were checked on one GPU under MPS (docs/kccl-gpu.md).
         kind = "cpu"
         if rank == 0:
-            log(f"--backend auto: the multi-rank cuda backend is not verified on a GPU yet; using cpu for "
-                f"{size} ranks (--backend cuda to try it)")
+            log(f"--backend auto: the multi-rank cuda backend is not verified through kog-worker yet; using "
+                f"cpu for {size} ranks (--backend cuda to use it)")
     max_floats = max(cfg.hidden_size, 1 << 16)
     comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
                                     depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
@@ -100,7 +100,7 @@ def run(a) -> int:
     if kind == "cuda" and size > 1:
         import cupy as cp
         from workers.cuda.multirank import comm_kwargs
-        cp.cuda.Device(rank % cp.cuda.runtime.getDeviceCount()).use()   # before create (one GPU: MPS)
+        cp.cuda.Device(info.local_rank % cp.cuda.runtime.getDeviceCount()).use()   # before create (one GPU: MPS)
         gcomm = kccl.Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, size))
     if rank != 0 and not a.oneshot:
         # SIGTERM reaches every rank (mpiexec, scancel); rank 0 winds the job down and tells the
