@@ -72,6 +72,7 @@ def run(a) -> int:
     world = MPI.COMM_WORLD
     info = require_single_node(world)
     rank, size = info.rank, info.size
+    _unlink_mpi_segments(world, info.local_rank)
     model = a.model or default_model_dir() if rank == 0 else None
     model = a.model or world.bcast(model, root=0)   # bootstrap only: a path string
     cfg = load_config(model)
@@ -125,6 +126,25 @@ def run(a) -> int:
         if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
             gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
         comm.close()
+
+
+def _unlink_mpi_segments(world, local_rank: int) -> None:
+    """MPI's node segment (MPICH: /dev/shm/mpich_shm_*, Open MPI: vader_segment.*) outlives a rank that is
+    SIGKILLed. Every rank has it mapped by now: drop its name, as kccl does with its own, so nothing is
+    left in /dev/shm whatever way the job ends. MPI keeps using the mappings."""
+    world.Barrier()
+    if local_rank == 0:
+        try:
+            with open("/proc/self/maps") as f:
+                segs = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line or "vader_segment" in line}
+        except OSError:
+            segs = set()
+        for path in segs:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    world.Barrier()
 
 
 def _place(a, info) -> str:

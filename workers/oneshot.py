@@ -1,7 +1,6 @@
 """`kog generate`: one request, in this process or through N ranks under mpiexec, printed as text or JSON."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -85,13 +84,11 @@ def run_under_mpiexec(a) -> int:
     except LaunchError as e:
         raise ValueError(f"--np needs an MPI launcher: {e}") from None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    mpich_before = set(glob.glob(MPICH_SHM))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc), sys.exit(143)))
     try:
         rc = proc.wait()
         if rc != 0:
-            _remove_orphan_segments(set(glob.glob(MPICH_SHM)) - mpich_before)
             how = f"killed by {signal.Signals(rc).name}" if 0 < rc < 32 and rc not in (1, 2) else f"exit {rc}"
             print(f"kog: error: the {a.nranks}-rank job failed ({how}): a rank died or was killed, "
                   f"and mpiexec ended the others", file=sys.stderr)
@@ -101,29 +98,6 @@ def run_under_mpiexec(a) -> int:
     finally:
         _kill_group(proc)
         signal.signal(signal.SIGTERM, previous)
-
-
-MPICH_SHM = "/dev/shm/mpich_shm_*"
-
-
-def _remove_orphan_segments(paths) -> None:
-    """MPICH leaves its node segment behind when a rank is SIGKILLed; remove the ones this job made
-    that no live process maps any more. (kccl's own segments are unlinked right after bootstrap.)"""
-    if not paths:
-        return
-    mapped = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    mapped.update(p for p in paths if p in f.read())
-            except OSError:
-                pass
-    for p in paths - mapped:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
 
 
 def _die_with_parent() -> None:
