@@ -35,6 +35,16 @@ OP_ALLREDUCE, OP_BROADCAST, OP_BARRIER, OP_POST = 1, 2, 3, 4
 OP_NAMES = {OP_ALLREDUCE: "allreduce", OP_BROADCAST: "broadcast", OP_BARRIER: "barrier", OP_POST: "post"}
 
 
+def check_create_args(depth: int, max_floats: int, tags) -> tuple:
+    """The arguments every transport's create() shares; returns the tags as a tuple."""
+    if depth < 1 or max_floats < 1:
+        raise ValueError("depth and max_floats must be >= 1")
+    tags = tuple(tags)
+    if len(set(tags)) != len(tags) or any(t.startswith("_") for t in tags):
+        raise ValueError(f"tags must be distinct and not start with '_': {tags}")
+    return tags
+
+
 class Handle:
     """What post() returns: pass it to collect(). Collect a tag's handles in the order posted."""
 
@@ -95,11 +105,7 @@ class Communicator:
                                      timeout=timeout)
         if transport != "shm":
             raise ValueError(f"unknown kccl transport {transport!r} (known: 'shm', 'cuda_ipc')")
-        if depth < 1 or max_floats < 1:
-            raise ValueError("depth and max_floats must be >= 1")
-        tags = tuple(tags)
-        if len(set(tags)) != len(tags) or any(t.startswith("_") for t in tags):
-            raise ValueError(f"tags must be distinct and not start with '_': {tags}")
+        tags = check_create_args(depth, max_floats, tags)
         from .bootstrap import check_one_host, open_segments
         from .rendezvous import as_rendezvous
 

@@ -301,11 +301,8 @@ class CudaCommunicator:
 
         from .rendezvous import as_rendezvous
 
-        if depth < 1 or max_floats < 1:
-            raise ValueError("depth and max_floats must be >= 1")
-        tags = tuple(tags)
-        if len(set(tags)) != len(tags) or any(t.startswith("_") for t in tags):
-            raise ValueError(f"tags must be distinct and not start with '_': {tags}")
+        from .communicator import check_create_args
+        tags = check_create_args(depth, max_floats, tags)
         rdv = as_rendezvous(mpi_comm)
         lay = CudaLayout(rdv.size, 4 * max_floats, (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags))
         self = cls()
