@@ -21,15 +21,9 @@ from mpi_helpers import have_mpiexec, run_mpi, run_plain
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_reason():
-    try:
-        from kccl.cuda_ipc import cupy_missing
-    except Exception as exc:  # noqa: BLE001
-        return str(exc)
-    return cupy_missing()
+from kccl.cuda_ipc import cupy_missing  # noqa: E402 (imports without CuPy)
 
-
-_why = _gpu_reason()
+_why = cupy_missing()
 skip_gpu = pytest.mark.skipif(_why is not None, reason=f"no CuPy/GPU: {_why}")
 skip_mpi = pytest.mark.skipif(not have_mpiexec(), reason="no mpiexec")
 
