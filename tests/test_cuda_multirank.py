@@ -9,8 +9,11 @@ the multi-rank kernel for N = 2, 4, 8 (when nvcc is installed).
 GPU (marker gpu; skipped without CuPy, a GPU or mpiexec; tests/gpu_multirank.sh runs them on the H200
 under MPS): N = 2, 4, 8 ranks give the one-rank greedy ids (and the numpy engine's) for 128 tokens of an
 fp32 tiny checkpoint with 8 lanes, a second request continues the slot and the kccl epochs, seeded
-sampling gives the one-rank ids; a rank SIGKILLed mid-decode makes the others raise PeerLost instead of
-spinning. STATUS: the GPU tests were written without a GPU and have never run.
+sampling gives the one-rank ids (N = 2, 4, 8 passed on the H200 under MPS); a rank SIGKILLed mid-decode,
+or between two requests, makes the others raise PeerLost (or KcclTimeout naming it) within the kccl
+timeout (5 s here, env KOG_KILL_TIMEOUT) plus a few seconds, and exit non-zero instead of spinning.
+
+Also CPU: `kog-worker --backend auto|cuda|cpu` picks the same backend on every rank (factory.choose).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -276,6 +280,36 @@ def test_nvcc_compiles_multirank(n, tmp_path):
     assert "pf_combine_mr" in ptx and "st.release.sys" in ptx and "ld.acquire.sys" in ptx
 
 
+# ---- backend choice of kog-worker (factory.choose: every rank passes the same `everywhere`) ----------
+def test_backend_choice():
+    from workers.factory import choose
+    cfg = _cfg(num_lanes=8)
+    # a CPU machine (no rank sees a GPU): auto is cpu, with one rank or several; cuda is refused
+    assert choose("auto", 1, False, False, cfg) == ("cpu", None)
+    assert choose("auto", 4, False, False, cfg) == ("cpu", None)
+    assert choose("cpu", 4, True, True, cfg) == ("cpu", None)
+    with pytest.raises(ValueError, match="this machine has none"):
+        choose("cuda", 1, False, False, cfg)
+    with pytest.raises(ValueError, match="on every rank, and another rank sees none"):
+        choose("cuda", 2, True, False, cfg)
+    # every rank sees a GPU: auto is cuda, for one rank and for several (the multi-rank kernel)
+    assert choose("auto", 1, True, True, cfg) == ("cuda", None)
+    kind, note = choose("auto", 4, True, True, cfg)
+    assert kind == "cuda" and "cuda backend on 4 ranks" in note
+    assert choose("cuda", 8, True, True, cfg)[0] == "cuda"
+    # some ranks without a GPU: auto falls back to cpu on all of them, and says so
+    kind, note = choose("auto", 2, True, False, cfg)
+    assert kind == "cpu" and "not every one of the 2 ranks" in note
+    # a model the multi-rank kernel refuses: auto is cpu (with the reason), cuda is an error
+    deep = _cfg(num_lanes=4, num_hidden_layers=40, broadcast_delay=15)
+    kind, note = choose("auto", 2, True, True, deep)
+    assert kind == "cpu" and "16 at most" in note
+    with pytest.raises(ValueError, match="16 at most"):
+        choose("cuda", 2, True, True, deep)
+    with pytest.raises(ValueError, match="unknown backend"):
+        choose("gpu", 1, True, True, cfg)
+
+
 # ---- GPU ------------------------------------------------------------------------------------------
 from kccl.cuda_ipc import cupy_missing  # noqa: E402 (imports without CuPy)
 
@@ -313,36 +347,67 @@ print("OK", world.rank, flush=True)
 RANK_KILLED = r'''
 import os, signal, sys, time
 import cupy as cp
-from kccl import Communicator, FileRendezvous, PeerLost, KcclError
+from kccl import Communicator, FileRendezvous, KcclTimeout, PeerLost
 from kog_dist.config import load_config
 from workers.backend import RunCommand
 from workers.cuda.backend import CudaBackend
 from workers.cuda.multirank import comm_kwargs
 rank, size = int(os.environ["KCCL_RANK"]), int(os.environ["KCCL_SIZE"])
-rdv = FileRendezvous(os.environ["KCCL_RENDEZVOUS"], rank, size, timeout=120.0)
+folder = os.environ["KCCL_RENDEZVOUS"]
+model, when, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+victim = rank == size - 1
+rdv = FileRendezvous(folder, rank, size, timeout=90.0)
 cp.cuda.Device(0).use()
-model = sys.argv[1]
 cfg = load_config(model)
-comm = Communicator.create(rdv, transport="cuda_ipc", **comm_kwargs(cfg, size, timeout=60.0))
-b = CudaBackend(model, max_seq=4096, num_slots=1, progress=False, comm=comm)
+comm = Communicator.create(rdv, transport="cuda_ipc", **comm_kwargs(cfg, size, timeout=timeout))
+b = CudaBackend(model, max_seq=cfg.max_position_embeddings, num_slots=1, progress=False, comm=comm)
+KILLED_AT = os.path.join(folder, "killed_at")
+
+def die():
+    with open(KILLED_AT + ".tmp", "w") as f:
+        f.write(repr(time.time()))
+    os.replace(KILLED_AT + ".tmp", KILLED_AT)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def since_kill():
+    try:
+        with open(KILLED_AT) as f:
+            return f"{time.time() - float(f.read()):.2f}"
+    except (OSError, ValueError):
+        return "nan"
+
 seen = [0]
 def on_token(t):
     seen[0] += 1
-    if rank == size - 1 and seen[0] == 50:
-        os.kill(os.getpid(), signal.SIGKILL)
-t0 = time.perf_counter()
+    if victim and seen[0] == 50:
+        die()
+
+gen = b.max_seq - 8          # far more tokens than run before the kill lands (max_position 16384)
 try:
-    b.run(RunCommand(append=[1, 2, 3], max_new_tokens=3000), on_token=on_token, ignore_eos=True)
-    print("NOERROR", rank, flush=True)
-    sys.exit(3)
+    if when == "between":
+        # one request together, then the victim dies; the others start the next one without a prefill
+        # (one appended token), so their monokernels wait inside the kernel for the victim's partials
+        r1 = b.run(RunCommand(append=[1, 2, 3], max_new_tokens=8), ignore_eos=True)
+        if victim:
+            die()
+        b.run(RunCommand(slot=0, keep=r1.cached, append=[r1.token_ids[-1]], max_new_tokens=gen), ignore_eos=True)
+    else:
+        b.run(RunCommand(append=[1, 2, 3], max_new_tokens=gen), on_token=on_token, ignore_eos=True)
+    print("NOERROR", rank, seen[0], flush=True)
+    code = 3
 except PeerLost as e:
-    print("LOST", rank, e.rank, f"{time.perf_counter() - t0:.2f}", seen[0], str(e), flush=True)
-    comm.close()
-    sys.exit(1)
-except (KcclError, RuntimeError) as e:
-    print("ERROR", rank, repr(e), flush=True)
-    comm.close()
-    sys.exit(2)
+    print("LOST", rank, e.rank, since_kill(), seen[0], str(e), flush=True)
+    code = 1
+except KcclTimeout as e:
+    print("TIMEOUT", rank, -1, since_kill(), seen[0], str(e), flush=True)
+    code = 1
+except Exception as e:  # noqa: BLE001 - a CUDA error (e.g. a fault writing into the dead rank's window)
+    print("ERROR", rank, -1, since_kill(), seen[0], repr(e)[:800], flush=True)
+    code = 2
+comm.close()                 # as kog-worker does after an error: not collective (a peer is gone)
+print("CLOSED", rank, since_kill(), flush=True)
+sys.stdout.flush()
+os._exit(code)               # as kog-worker: no interpreter teardown after a failure
 '''
 
 
@@ -379,17 +444,24 @@ def _numpy_greedy(model, prompt, n):
     return toks
 
 
+@pytest.fixture(scope="module")
+def one_rank_ids(tiny_l8):
+    """The one-rank kernel's ids (computed once for N = 2, 4, 8), checked against the numpy engine."""
+    want = _one_rank(tiny_l8)
+    assert want[0] == _numpy_greedy(tiny_l8, PROMPT, GEN), "one rank differs from the numpy engine"
+    return want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_multirank_ids_equal_one_rank(tiny_l8, n):
+def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n):
     sys.path.insert(0, os.path.dirname(__file__))
     from mpi_helpers import have_mpiexec, run_mpi
     if not have_mpiexec():
         pytest.skip("no mpiexec")
-    want = _one_rank(tiny_l8)
-    assert want[0] == _numpy_greedy(tiny_l8, PROMPT, GEN), "one rank differs from the numpy engine"
-    res = run_mpi(n, code=RANK_RUN, args=(tiny_l8, GEN, json.dumps(PROMPT)), timeout=420)
+    want = one_rank_ids
+    res = run_mpi(n, code=RANK_RUN, args=(tiny_l8, GEN, json.dumps(PROMPT)), timeout=75)
     print(res.stdout[-3000:])
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     got = {int(line.split()[1]): json.loads(line.split(None, 2)[2])
@@ -402,18 +474,72 @@ def test_multirank_ids_equal_one_rank(tiny_l8, n):
                 pytest.fail(f"N={n} rank {r} request {k}: first difference at token {i}: {a[i]} vs {b[i]}")
 
 
+KILL_TIMEOUT = float(os.environ.get("KOG_KILL_TIMEOUT", "5"))   # the ranks' kccl timeout in this test (s)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
-def test_killed_rank_makes_the_others_exit(tiny_l8, tmp_path):
+@pytest.mark.parametrize("when", ["mid", "between"])
+def test_killed_rank_makes_the_others_exit(tmp_path, when):
+    """4 plain processes (N divides L = 8; no launcher that would kill the survivors), kccl timeout
+    KILL_TIMEOUT. Rank 3 SIGKILLs itself at its 50th token of a 16000-token decode ("mid"), or after a
+    first request, while the others start a second one that begins inside the kernel ("between"). Every
+    survivor must raise PeerLost naming rank 3 (its host saw the pid gone and raised the abort word) or
+    KcclTimeout naming rank 3 (the in-kernel bound), within KILL_TIMEOUT + 5 s of the kill, then close
+    the communicator and exit 1; nothing may hang (run_plain kills everything at 100 s)."""
     sys.path.insert(0, os.path.dirname(__file__))
+    from kog_dist.tiny import write_tiny_checkpoint
     from mpi_helpers import run_plain
-    res = run_plain(4, RANK_KILLED, args=(tiny_l8,), timeout=300, folder=str(tmp_path))   # N divides L = 8
+    model, rdv = tmp_path / "model", tmp_path / "rdv"
+    rdv.mkdir()
+    # the tiny_l8 shape (the same kernel build: max_position_embeddings is not a compile constant)
+    write_tiny_checkpoint(str(model), dtype="F32", seed=11, num_lanes=8, max_position_embeddings=16384)
+    res = run_plain(4, RANK_KILLED, args=(str(model), when, KILL_TIMEOUT), timeout=100, folder=str(rdv))
     print(res.output[-4000:])
-    lost = [line.split() for line in res.stdout.splitlines() if line.startswith("LOST")]
-    assert sorted(int(w[1]) for w in lost) == [0, 1, 2], res.output[-6000:]
-    assert all(int(w[2]) == 3 and float(w[3]) < 90 for w in lost), res.output[-6000:]
-    assert res.returncodes[:3] == [1, 1, 1] and res.returncodes[3] not in (0, 1, 2, 3), res.returncodes
-    assert "NOERROR" not in res.stdout
+    _check_killed(res, KILL_TIMEOUT)
+
+
+def _check_killed(res, timeout):
+    """The killed-rank test's verdict on the ranks' output (also checked on the CPU, below)."""
+    out = res.output[-6000:]
+    assert "NOERROR" not in res.stdout, f"the survivors decoded to the end: the kill did not stop them\n{out}"
+    assert res.returncodes[3] == -signal.SIGKILL, (res.returncodes, out)
+    got = {}
+    for line in res.stdout.splitlines():
+        w = line.split(None, 5)
+        if len(w) == 6 and w[0] in ("LOST", "TIMEOUT", "ERROR"):
+            got[int(w[1])] = w
+    assert sorted(got) == [0, 1, 2], f"survivors that reported: {sorted(got)}\n{out}"
+    for r, w in got.items():
+        what, peer, after, msg = w[0], int(w[2]), float(w[3]), w[5]
+        assert what != "ERROR", f"rank {r} failed with another error than PeerLost/KcclTimeout: {msg}\n{out}"
+        assert (peer == 3) if what == "LOST" else ("rank 3" in msg), (r, w)
+        assert after < timeout + 5, f"rank {r} reported {after} s after the kill\n{out}"
+    closed = {int(w[1]): float(w[2]) for w in (line.split() for line in res.stdout.splitlines())
+              if len(w) == 3 and w[0] == "CLOSED"}
+    assert sorted(closed) == [0, 1, 2] and max(closed.values()) < timeout + 10, (closed, out)
+    assert res.returncodes[:3] == [1, 1, 1], (res.returncodes, out)
+
+
+def test_killed_rank_verdict():
+    """_check_killed on made-up outputs: what passes, and that a hang-free but wrong outcome fails."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from mpi_helpers import PlainResult
+    lost = "".join(f"LOST {r} 3 0.2{r} 50 rank 3 (pid 99) exited (noticed by rank {r} in decode)\nCLOSED {r} 0.3\n"
+                   for r in range(3))
+    _check_killed(PlainResult([1, 1, 1, -9], lost, "", 9.0), 5.0)
+    mixed = lost.replace("LOST 1 3 0.21 50 rank 3 (pid 99) exited (noticed by rank 1 in decode)",
+                         "TIMEOUT 1 -1 5.02 50 rank 1 timed out after 5 s waiting for rank 3's data on channel 'attn'")
+    _check_killed(PlainResult([1, 1, 1, -9], mixed, "", 9.0), 5.0)
+    bad = [PlainResult([1, 1, 3, -9], lost.replace("LOST 2", "NOERROR 2"), "", 9.0),          # finished
+           PlainResult([1, 1, 2, -9], lost.replace("LOST 2 3", "ERROR 2 -1"), "", 9.0),        # CUDA error
+           PlainResult([1, 1, 1, -9], lost.replace("0.22", "11.0"), "", 20.0),                # too late
+           PlainResult([1, 1, 1, -9], lost.replace("CLOSED 2 0.3\n", ""), "", 20.0),          # close hung
+           PlainResult([1, 1, 1, -9], lost.replace("LOST 0 3", "LOST 0 1"), "", 9.0),         # wrong peer
+           PlainResult([1, 1, 1, 0], lost, "", 9.0)]                                         # victim lived
+    for res in bad:
+        with pytest.raises(AssertionError):
+            _check_killed(res, 5.0)
 
 
 def test_params_layout_matches_the_backend():

@@ -84,16 +84,14 @@ def run(a) -> int:
     placed = _place(a, info)
 
     import kccl
-    from .factory import make_backend, resolve
+    from .factory import choose, cuda_available, make_backend
     from .rank import KcclExchange, RankGroup, follow, make_agree
-    kind = resolve(a.backend)
-    if kind == "cuda" and size > 1 and a.backend != "cuda":
-        # auto keeps cpu for several ranks until the multi-rank cuda backend has run through kog-worker
-        # and across GPUs; so far its ids were checked on one GPU under MPS (docs/kccl-gpu.md).
-        kind = "cpu"
-        if rank == 0:
-            log(f"--backend auto: the multi-rank cuda backend is not verified through kog-worker yet; using "
-                f"cpu for {size} ranks (--backend cuda to use it)")
+    here = a.backend != "cpu" and cuda_available()
+    # every rank takes the same decision (bootstrap only: one allreduce of a flag)
+    everywhere = bool(world.allreduce(int(here), op=MPI.MIN)) if size > 1 else here
+    kind, note = choose(a.backend, size, here, everywhere, cfg)
+    if note and rank == 0:
+        log(note)
     max_floats = max(cfg.hidden_size, 1 << 16)
     comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
                                     depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
@@ -103,6 +101,10 @@ def run(a) -> int:
         from workers.cuda.multirank import comm_kwargs
         cp.cuda.Device(info.local_rank % cp.cuda.runtime.getDeviceCount()).use()   # before create (one GPU: MPS)
         gcomm = kccl.Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, size))
+        if rank == 0 and len(set(gcomm.bus_ids)) < size and not _mps_running():
+            log(f"{size} ranks share {len(set(gcomm.bus_ids))} GPU(s) and the MPS daemon does not seem to run: "
+                "their persistent kernels time-slice and every exchange waits for a slice (slow); start "
+                "`nvidia-cuda-mps-control -d` first")
     if rank != 0 and not a.oneshot:
         # SIGTERM reaches every rank (mpiexec, scancel); rank 0 winds the job down and tells the
         # followers to exit, so they must outlive it rather than die mid-exchange.
@@ -126,6 +128,11 @@ def run(a) -> int:
         if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
             gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
         comm.close()
+
+
+def _mps_running() -> bool:
+    """The MPS control daemon's pipe exists (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps)."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
 
 
 def _unlink_mpi_segments(world, local_rank: int) -> None:

@@ -1,4 +1,5 @@
-"""Backend choice: `cpu` (numpy), `cuda` (the monokernel), `auto` (cuda when CuPy sees a GPU)."""
+"""Backend choice: `cpu` (numpy), `cuda` (the monokernel), `auto` (cuda when CuPy sees a GPU; with several
+ranks, when every rank sees one and the model suits the multi-rank kernel)."""
 from __future__ import annotations
 
 
@@ -18,6 +19,40 @@ def resolve(kind: str) -> str:
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"unknown backend {kind!r} (cpu, cuda, auto)")
     return kind
+
+
+def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tuple[str, str | None]:
+    """The backend of a job of `size` ranks, the same on every rank: (kind, a note for rank 0's log or
+    None). `here`: this rank sees a GPU (cuda_available()); `everywhere`: every rank does (the job's
+    AND of `here`, taken over MPI by kog-worker). cpu is always cpu; cuda needs a GPU on every rank
+    (ValueError otherwise, on every rank alike when they pass the same `everywhere`); auto gives cuda
+    when every rank sees a GPU and, with several ranks, the model passes the multi-rank kernel's rules
+    (workers.cuda.multirank.check: 1..8 ranks, ring depth), else cpu."""
+    if kind not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"unknown backend {kind!r} (cpu, cuda, auto)")
+    if kind == "cpu":
+        return "cpu", None
+    if not everywhere:
+        if kind == "cuda":
+            if size == 1:
+                raise ValueError("--backend cuda needs CuPy and a CUDA GPU, and this machine has none")
+            where = "this machine has none" if not here else "another rank sees none"
+            raise ValueError(f"--backend cuda needs CuPy and a CUDA GPU on every rank, and {where}")
+        if size > 1 and here:
+            return "cpu", f"--backend auto: not every one of the {size} ranks sees a GPU; using cpu"
+        return "cpu", None
+    if size > 1 and cfg is not None:
+        from .cuda.multirank import check          # plain Python: no CuPy needed
+        try:
+            check(cfg, size)
+        except ValueError as e:
+            if kind == "cuda":
+                raise
+            return "cpu", f"--backend auto: {e}; using cpu"
+    if size > 1:
+        return "cuda", (f"--backend {kind}: cuda backend on {size} ranks (each rank's monokernel exchanges "
+                        "lane partials with the others through kccl cuda_ipc)")
+    return "cuda", None
 
 
 def make_backend(kind: str, model_dir: str, lanes=None, max_seq=None, exchange=None, agree=None,
