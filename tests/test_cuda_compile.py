@@ -32,3 +32,31 @@ def test_inlined_source_has_no_includes():
     from workers.cuda.build import source
     s = source()
     assert '#include "' not in s and "monokernel" in s and "pf_attn" in s
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_smem_bytes_mirrors_the_kernel(tmp_path):
+    """build.smem_bytes (the one-line refusal of too-wide models) equals the kernel's SM_FLOATS * 4."""
+    from kog_dist.bench import shape_config
+    from kog_dist.config import LaneformerConfig
+    from kog_dist.tiny import TINY_DEFAULTS
+    from workers.cuda.build import check_shape, defines, smem_bytes
+    prog = tmp_path / "smem.cu"
+    prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n'
+                    'int main() { printf("%d\\n", SM_FLOATS * 4); }\n')
+    tiny = dict(TINY_DEFAULTS, model_type="laneformer_tp")
+    cases = [(LaneformerConfig.from_dict(tiny), "F32", 128), (shape_config("2b"), "BF16", 128),
+             (shape_config("2b"), "BF16", 132), (LaneformerConfig.from_dict(dict(tiny, num_lanes=1)), "F32", 132),
+             (LaneformerConfig.from_dict({"model_type": "laneformer_tp"}), "BF16", 132)]
+    for cfg, dt, nb in cases:
+        exe = tmp_path / "smem"
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", str(prog), "-o", str(exe)]
+                           + [f"-D{k}={v}" for k, v in defines(cfg, dt, nb).items()],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
+        assert got == smem_bytes(cfg, dt, nb), (dt, nb, got)
+    wide = LaneformerConfig.from_dict({"model_type": "laneformer_tp", "hidden_size": 65536,
+                                       "num_attention_heads": 512, "num_key_value_heads": 512})
+    with pytest.raises(ValueError, match="shared memory"):
+        check_shape(wide, "BF16", 132)

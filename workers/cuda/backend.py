@@ -100,6 +100,7 @@ class CudaBackend(Backend):
         self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
                        nranks=self.nranks)
         self.nblocks = int(self.k.defines["CFG_NB"])
+        self.nthreads = int(self.k.defines.get("CFG_NT", 512))
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")
         self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -217,15 +218,15 @@ class CudaBackend(Backend):
             launch = cp.cuda.driver.launchCooperativeKernel
         except AttributeError:     # an older CuPy: a plain launch (132 blocks on 132 idle SMs)
             self.cooperative = False
-            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes)
+            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
             return
         self._argval = ctypes.c_uint64(self.params.data.ptr)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._argval))
         if self.comm is not None and self.cooperative is False:
-            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes)
+            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
             return
         try:
-            launch(fptr, self.nblocks, 1, 1, 512, 1, 1, self.k.smem_bytes, self.stream.ptr,
+            launch(fptr, self.nblocks, 1, 1, self.nthreads, 1, 1, self.k.smem_bytes, self.stream.ptr,
                    ctypes.addressof(self._argv))
         except Exception as e:  # noqa: BLE001
             if self.comm is None:
@@ -236,7 +237,7 @@ class CudaBackend(Backend):
             print(f"[kog] rank {self.comm.rank}: cooperative launch refused ({e}); plain launch",
                   file=sys.stderr, flush=True)
             self.cooperative = False
-            self.k.mono((self.nblocks,), (512,), (self.params,), shared_mem=self.k.smem_bytes)
+            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
             return
         self.cooperative = True
 

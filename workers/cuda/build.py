@@ -53,7 +53,7 @@ def default_blocks(cfg, sms: int) -> int:
     return nb if nb >= 0.85 * sms else sms
 
 
-def check_shape(cfg, dtype: str) -> None:
+def check_shape(cfg, dtype: str, nblocks: int | None = None) -> None:
     """The kernel's layout rules, refused with a one-line reason."""
     vec = 4 if dtype == "F32" else 8
     hd, L = cfg.head_dim, cfg.num_lanes
@@ -66,8 +66,37 @@ def check_shape(cfg, dtype: str) -> None:
         raise ValueError(f"cuda backend: head_dim={hd} is too large ({32 * vec} at most for {dtype})")
     if cfg.hidden_size % 4:
         raise ValueError("cuda backend: hidden_size must be a multiple of 4")
-    if L * max(cfg.hidden_size, cfg.ffn_per_lane) * 4 > 200 * 1024:
-        raise ValueError("cuda backend: num_lanes * hidden_size is too large for one block's shared memory")
+    if nblocks is not None and smem_bytes(cfg, dtype, nblocks) > SMEM_LIMIT:
+        raise ValueError(f"cuda backend: hidden_size / intermediate_size too large: a block would need "
+                         f"{smem_bytes(cfg, dtype, nblocks)} bytes of shared memory ({SMEM_LIMIT} at most)")
+
+
+SMEM_LIMIT = 225 * 1024
+
+
+def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 512) -> int:
+    """The monokernel's dynamic shared memory (monokernel.cu SM_FLOATS * 4, without CFG_PFS): the inputs of
+    the lanes a block touches in a phase (its staging area), the combine staging of its rows, the
+    attention scratch, the LM head's input."""
+    D, L, HD, nw = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, nthreads // 32
+    hdl, fl = cfg.heads_per_lane * HD, cfg.ffn_per_lane
+    rq = hdl + 2 * (cfg.kv_heads // L) * HD
+    G = cfg.num_attention_heads // cfg.kv_heads
+    nr_wo = nr_wo if D % nr_wo == 0 else 4
+
+    def spanned(U, upl):
+        m = 1
+        for b in range(nblocks):
+            a, e = b * U // nblocks, (b + 1) * U // nblocks
+            if e > a:
+                m = max(m, (e - 1) // upl - a // upl + 1)
+        return m
+
+    stage = max(spanned(L * rq // 2, rq // 2) * D, spanned(L * fl, fl) * D,
+                spanned(L * D // nr_wo, D // nr_wo) * hdl, spanned(L * D // 2, D // 2) * fl)
+    cb_rows = -(-L * D // nblocks) + 2 * nr_wo + 4
+    main = max(stage + 2 * cb_rows, G * HD + nw * G * HD + 2 * nw * G, D) + 144
+    return -(-main // 4) * 4 * 4
 
 
 class Kernels:
@@ -92,8 +121,8 @@ class Kernels:
 
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True,
           extra: dict | None = None, nranks: int = 1) -> Kernels:
-    """extra: more CFG_* defines (tuning variants: CFG_PFS shared-memory prefetch bytes, CFG_PF_BULK,
-    CFG_PF_ATT); the defaults are what the backend uses. nranks > 1: the kernel of one rank of the
+    """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_NR_WO, CFG_UB_QKV, CFG_UB_WO,
+    CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_BULK, CFG_PF_ATT); the defaults are what the backend uses. nranks > 1: the kernel of one rank of the
     multi-rank backend (cfg: the model's config; nblocks: given by the backend)."""
     import cupy as cp
     if nranks > 1:
@@ -104,6 +133,7 @@ def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, pr
         check_shape(cfg, dtype)
     if nblocks is None:
         nblocks = default_blocks(cfg, cp.cuda.Device().attributes["MultiProcessorCount"])
+    check_shape(RankView(cfg, 0, nranks) if nranks > 1 else cfg, dtype, nblocks)
     defs = defines(cfg, dtype, nblocks, prefetch, extra, nranks)
     key = tuple(sorted(defs.items()))
     if key in _cache:

@@ -28,6 +28,9 @@
 #ifndef CFG_NB
 #define CFG_NB 132          // blocks = multiprocessors (one block per SM, all resident)
 #endif
+#ifndef CFG_NT
+#define CFG_NT 512          // threads per block (256: two blocks per SM, with twice the blocks)
+#endif
 #ifndef CFG_PF
 #define CFG_PF 65536        // bytes of its next weights each block prefetches into L2 before it waits
 #endif
@@ -72,7 +75,7 @@ constexpr int SW = CFG_SW, SWN = CFG_SWN;
 constexpr int HL = H / L, KVL = KV / L, G = H / KV, HDL = HL * HD, KVDL = KVL * HD, FL = F / L;
 constexpr int RQKV = HDL + 2 * KVDL;
 constexpr int VEC = 16 / (int)sizeof(wt);
-constexpr int NB = CFG_NB, NT = 512, NW = NT / 32;
+constexpr int NB = CFG_NB, NT = CFG_NT, NW = NT / 32;
 constexpr int PF = CFG_PF;
 constexpr long long PF_ATT = CFG_PF_ATT;
 constexpr int PFS = CFG_PFS;

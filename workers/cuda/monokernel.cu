@@ -56,9 +56,20 @@ constexpr int NCTR = (5 * L + 4) * CTR_STRIDE;
 
 // shared memory (floats)
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int SM_STAGE = L * cmax(cmax(D, FL), HDL);
+// most lanes a block touches in a phase of U lane-major units (upl per lane): the staging area holds
+// only those (a smaller shared-memory carve-out leaves more L1: +100 KB of it cost 8% on the H200)
+constexpr int lanes_spanned(int U, int upl) {
+  int m = 1;
+  for (int b = 0; b < NB; ++b) {
+    const int a = (int)((long long)b * U / NB), e = (int)((long long)(b + 1) * U / NB);
+    if (e > a && (e - 1) / upl - a / upl + 1 > m) m = (e - 1) / upl - a / upl + 1;
+  }
+  return m;
+}
+constexpr int SM_STAGE = cmax(cmax(lanes_spanned(U_QKV, UPL_QKV) * D, lanes_spanned(U_W13, UPL_W13) * D),
+                              cmax(lanes_spanned(U_WO, UPL_WO) * HDL, lanes_spanned(U_W2, UPL_W2) * FL));
 constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
-constexpr int SM_LM = (L + 1) * D;
+constexpr int SM_LM = D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
 constexpr int SM_MAIN = cmax(cmax(SM_STAGE + 2 * CB_ROWS, SM_ATT), SM_LM) + 16 * 8 + 16;
 constexpr int SM_FLOATS = ((SM_MAIN + 3) / 4) * 4 + PFS / 4;   // + the weight buffer (16-byte aligned)
@@ -211,6 +222,29 @@ __device__ __forceinline__ float mr_lane_sum(const char* p0, long long stride, i
 #endif
 
 // ---- helpers -----------------------------------------------------------------------------------
+#ifndef CFG_XPLANES
+#define CFG_XPLANES 1
+#endif
+// An input vector x of K floats (K = D, HDL or FL) is kept in shared memory in two planes when VEC = 8:
+// x[8c .. 8c+3] at 4c, x[8c+4 .. 8c+7] at K/2 + 4c, so that the float4 loads of a warp's 32 consecutive
+// 16-byte weight chunks read consecutive addresses (no bank conflicts). VEC = 4 (fp32): as is.
+constexpr bool XPL = CFG_XPLANES && VEC == 8;
+__device__ __forceinline__ int xp(int d, int K) {
+  return XPL ? ((d & 7) >> 2) * (K >> 1) + ((d >> 3) << 2) + (d & 3) : d;
+}
+// dot of 16 bytes of storage (chunk c of a row of K) with x (shared, K floats, planes as above)
+template <int K>
+__device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
+  if (!XPL) return dot16(w, xs + c * VEC);
+  float f[8];
+  unpack(w, f);
+  const float4 a = *reinterpret_cast<const float4*>(xs + c * 4);
+  const float4 b = *reinterpret_cast<const float4*>(xs + (K >> 1) + c * 4);
+  float s = 0.f;
+  s = fmaf(f[0], a.x, s); s = fmaf(f[1], a.y, s); s = fmaf(f[2], a.z, s); s = fmaf(f[3], a.w, s);
+  s = fmaf(f[4], b.x, s); s = fmaf(f[5], b.y, s); s = fmaf(f[6], b.z, s); s = fmaf(f[7], b.w, s);
+  return s;
+}
 __device__ __forceinline__ void brange(int U, int& a, int& b) {
   a = (int)((long long)blockIdx.x * U / NB);
   b = (int)((long long)(blockIdx.x + 1) * U / NB);
@@ -240,11 +274,17 @@ __device__ float block_sum(float v, float* red) {
 
 // NR rows of K columns starting at w (row stride K), dotted with xs (shared, K floats); rows >= nvalid
 // are not read. All lanes get the NR sums.
-template <int NR, int K, bool SMEM = false>
+#ifndef CFG_UB_QKV
+#define CFG_UB_QKV CFG_UBMAX   // loads in flight per lane in the QKV rows
+#endif
+#ifndef CFG_UB_WO
+#define CFG_UB_WO CFG_UBMAX    // ... in the output projection's rows
+#endif
+template <int NR, int K, bool SMEM = false, int UBM = CFG_UBMAX>
 __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
   constexpr int NCHK = K / VEC;
   constexpr int CPL = (NCHK + 31) / 32;
-  constexpr int UB0 = CFG_UBMAX / NR;
+  constexpr int UB0 = UBM / NR;
   constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
   const int lane = threadIdx.x & 31;
   float acc[NR];
@@ -269,7 +309,7 @@ __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, c
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
         const int c = (b0 + u) * 32 + lane;
-        if (b0 + u < CPL && c < NCHK) acc[r] += dot16(wv[r][u], xs + c * VEC);
+        if (b0 + u < CPL && c < NCHK) acc[r] += dotx<K>(wv[r][u], xs, c);
       }
   }
 #pragma unroll
@@ -320,7 +360,7 @@ __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, 
 #pragma unroll
         for (int e = 0; e < DPT; ++e) {
           const int d = threadIdx.x + e * NT;
-          if (d < D) { dst[(kb + k) * D + d] = v[e]; ss += v[e] * v[e]; }
+          if (d < D) { dst[(kb + k) * D + xp(d, D)] = v[e]; ss += v[e] * v[e]; }
         }
       }
       ss = warp_sum(ss);
@@ -346,13 +386,70 @@ __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, 
       for (int e = 0; e < DPT; ++e) {
         const int d = threadIdx.x + e * NT;
         if (d < D) {
-          const float v = x[d];
+          const float v = x[xp(d, D)];
           if (wr) p.hres[((long long)s * L + l) * D + d] = v;
-          x[d] = (v * inv) * gv[e];
+          x[xp(d, D)] = (v * inv) * gv[e];
         }
       }
     }
   }
+  __syncthreads();
+}
+// the final norm of every lane (residual version 2NL): into rows ([L][D], global) when given, else
+// their lane mean into y (shared): all lanes in batches of MAXL with one block reduction per batch
+#ifndef CFG_FNB
+#define CFG_FNB 4
+#endif
+constexpr int FNB = MAXL < CFG_FNB ? MAXL : CFG_FNB;   // lanes per batch (registers: FNB * DPT floats)
+__device__ __noinline__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float acc[DPT];
+#pragma unroll
+  for (int e = 0; e < DPT; ++e) acc[e] = 0.f;
+  for (int kb = 0; kb < L; kb += FNB) {
+    float v[FNB][DPT];
+#pragma unroll
+    for (int k = 0; k < FNB; ++k)
+#pragma unroll
+      for (int e = 0; e < DPT; ++e) {
+        const int d = threadIdx.x + e * NT;
+        v[k][e] = (kb + k < L && d < D) ? hval(p, 2 * NL, kb + k, d, tok) : 0.f;
+      }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < FNB; ++k) {
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < DPT; ++e) ss += v[k][e] * v[k][e];
+      ss = warp_sum(ss);
+      if (lane == 0) red[warp * MAXL + k] = ss;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < FNB; ++k) {
+      const int l = kb + k;
+      if (l >= L) break;
+      float tot = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) tot += red[w * MAXL + k];
+      const float inv = 1.0f / sqrtf(tot / (float)D + EPS);
+#pragma unroll
+      for (int e = 0; e < DPT; ++e) {
+        const int d = threadIdx.x + e * NT;
+        if (d < D) {
+          const float t = (v[k][e] * inv) * __ldg(p.fnorm + (long long)l * D + d);
+          if (rows) rows[(long long)l * D + d] = t;
+          else acc[e] = l == 0 ? t : acc[e] + t;
+        }
+      }
+    }
+  }
+  if (y)
+#pragma unroll
+    for (int e = 0; e < DPT; ++e) {
+      const int d = threadIdx.x + e * NT;
+      if (d < D) y[xp(d, D)] = acc[e] / (float)L;
+    }
   __syncthreads();
 }
 // the writer mask of a consumer phase: lanes whose first unit this block owns
@@ -478,13 +575,14 @@ __device__ __forceinline__ void mr_early_end(const Params& p, int n, int s) {
   if (!fused_step(s) && !mr_read_later((s - 1) / 2))
     kccl_collect_end(kds, 1 + ((s - 1) & 1), mr_epoch(p, (s - 1) & 1, n, (s - 1) / 2), NB);
 }
-// the final norm's lane mean over every rank: block 0 posts the rank's normed rows (tmp, [L][D] in
-// shared memory) and the host's cancel word; every block sums the LG rows in lane order into y
-__device__ void mr_final(const Params& p, int n, const float* tmp, float* y) {
+// the final norm's lane mean over every rank: block 0 posts the rank's normed rows (written straight
+// into p.yfin) and the host's cancel word; every block sums the LG rows in lane order into y
+__device__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y);
+__device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) {
   const u64 e = (u64)(p.e0[2] + n);
   if (blockIdx.x == 0) {
     const bool ok = kccl_post_begin(kds, CH_FIN, e);
-    for (int x = threadIdx.x; x < L * D; x += NT) p.yfin[x] = tmp[x];
+    final_norms(p, tok, red, p.yfin, nullptr);
     if (threadIdx.x == 0) p.yfin[L * D] = __int_as_float(*(volatile const int*)p.cancel);
     __syncthreads();
     if (ok) {
@@ -498,7 +596,7 @@ __device__ void mr_final(const Params& p, int n, const float* tmp, float* y) {
   for (int d = threadIdx.x; d < D; d += NT) {
     float a = __ldcg((const float*)p0 + d);
     for (int j = 1; j < LG; ++j) a += __ldcg((const float*)(p0 + (j / L) * st) + (j % L) * D + d);
-    y[d] = a / (float)LG;
+    y[xp(d, D)] = a / (float)LG;
   }
   if (threadIdx.x == 0) {
     int c = 0;
@@ -552,7 +650,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_QKV, 2, sm + (l - l0) * D, acc);
-    else warp_dot<2, D>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
+    else warp_dot<2, D, false, CFG_UB_QKV>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
       float x0 = acc[0], x1 = acc[1];
       if (region < 2) {
@@ -764,7 +862,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
         A += ac[c] * e;
         Ls += lc[c] * e;
       }
-      sm[(l - l0) * HDL + x] = A / Ls;
+      sm[(l - l0) * HDL + xp(x, HDL)] = A / Ls;
     }
   cp_async_wait_all();
   __syncthreads();
@@ -775,7 +873,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     if (u - ua < nbuf)
       warp_dot<NR_WO, HDL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_WO, NR_WO, sm + (l - l0) * HDL, acc);
     else
-      warp_dot<NR_WO, HDL>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
+      warp_dot<NR_WO, HDL, false, CFG_UB_WO>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
     if (lane < NR_WO)
       combine_finish(p, i, 0, l, r0 + lane, pick(acc, NR_WO, lane), cb + 2 * ((u - ua) * NR_WO + lane));
   }
@@ -862,7 +960,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
-    for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + x] = ldf(p.hid + (long long)l * FL + x);
+    for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
   cp_async_wait_all();
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -984,7 +1082,6 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   prefetch_l2(p.lm + (long long)(ua + nbuf) * UE_LM, (long long)(ub - ua - nbuf) * UE_LM * sizeof(wt), PF);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   float* y = sm;
-  float* tmp = sm + D;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   __shared__ float bv[NW];
   __shared__ int bi[NW];
@@ -996,15 +1093,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     __syncthreads();
     tmark(p, n, 5 * NL, 1);
     cp_async_wait_all();
-    stage_norms(p, tmp, 2 * NL, 0, L, p.fnorm, tok, 0u, red);
 #if KOG_NRANKS > 1
-    mr_final(p, n, tmp, y);
+    mr_final(p, n, tok, red, y);
 #else
-    for (int d = tid; d < D; d += NT) {
-      float a = tmp[d];
-      for (int l = 1; l < L; ++l) a += tmp[l * D + d];
-      y[d] = a / (float)L;
-    }
+    final_norms(p, tok, red, nullptr, y);
 #endif
     __syncthreads();
     for (int u = ua + warp; u < ub; u += NW) {
@@ -1091,7 +1183,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) monokernel(const Params* __restrict__ pp) {
+extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Params* __restrict__ pp) {
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   __shared__ int tok_s, stop_s;
