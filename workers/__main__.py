@@ -136,14 +136,16 @@ def _mps_running() -> bool:
 
 
 def _unlink_mpi_segments(world, local_rank: int) -> None:
-    """MPI's node segment (MPICH: /dev/shm/mpich_shm_*, Open MPI: vader_segment.*) outlives a rank that is
-    SIGKILLed. Every rank has it mapped by now: drop its name, as kccl does with its own, so nothing is
-    left in /dev/shm whatever way the job ends. MPI keeps using the mappings."""
+    """MPICH's node segment (/dev/shm/mpich_shm_*) outlives a rank that is SIGKILLed. Every rank has it
+    mapped by now: drop its name, as kccl does with its own, so nothing is left in /dev/shm whatever way
+    the job ends; MPICH keeps using the mapping. Open MPI's vader segment is left alone: its finalize
+    unlinks the name itself and prints a system-call error when the name is gone (seen on the H200 with
+    Open MPI 4.1.6), and its mpirun cleans up after a killed rank."""
     world.Barrier()
     if local_rank == 0:
         try:
             with open("/proc/self/maps") as f:
-                segs = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line or "vader_segment" in line}
+                segs = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
         except OSError:
             segs = set()
         for path in segs:
