@@ -397,13 +397,16 @@ try:
     code = 3
 except PeerLost as e:
     print("LOST", rank, e.rank, since_kill(), seen[0], str(e), flush=True)
-    code = 1
+    code, failure = 1, e
 except KcclTimeout as e:
     print("TIMEOUT", rank, -1, since_kill(), seen[0], str(e), flush=True)
-    code = 1
+    code, failure = 1, e
 except Exception as e:  # noqa: BLE001 - a CUDA error (e.g. a fault writing into the dead rank's window)
     print("ERROR", rank, -1, since_kill(), seen[0], repr(e)[:800], flush=True)
-    code = 2
+    code, failure = 2, e
+# `failure` holds the error (and the failed run's frames) to the os._exit below, as kog-worker exits
+# inside its except: releasing them would destroy CuPy objects, each printing a traceback in a
+# faulted context
 comm.close()                 # as kog-worker does after an error: not collective (a peer is gone)
 print("CLOSED", rank, since_kill(), flush=True)
 sys.stdout.flush()
@@ -486,7 +489,11 @@ def test_killed_rank_makes_the_others_exit(tmp_path, when):
     first request, while the others start a second one that begins inside the kernel ("between"). Every
     survivor must raise PeerLost naming rank 3 (its host saw the pid gone and raised the abort word) or
     KcclTimeout naming rank 3 (the in-kernel bound), within KILL_TIMEOUT + 5 s of the kill, then close
-    the communicator and exit 1; nothing may hang (run_plain kills everything at 100 s)."""
+    the communicator and exit 1; nothing may hang (run_plain kills everything at 100 s). Under MPS the
+    dead rank's memory goes away and the survivors' kernels fault (cudaErrorIllegalAddress, which their
+    event queries did not report for 20 s on the H200): kccl's check_kernel finds the faulted context
+    and reports PeerLost of the dead rank. A kernel that is still running 2 s after the abort word
+    (reported so by check_kernel) fails the test."""
     sys.path.insert(0, os.path.dirname(__file__))
     from kog_dist.tiny import write_tiny_checkpoint
     from mpi_helpers import run_plain
@@ -516,6 +523,9 @@ def _check_killed(res, timeout):
     for r, w in got.items():
         what, peer, after, msg = w[0], int(w[2]), float(w[3]), w[5]
         assert what != "ERROR", f"rank {r} failed with another error than PeerLost/KcclTimeout: {msg}\n{out}"
+        # the host gave up on a kernel that neither left on the abort word / its failed wait nor
+        # faulted (kccl check_kernel): a kernel that ignores them, a real hang
+        assert "still running" not in msg, f"rank {r}'s kernel did not leave: {msg}\n{out}"
         if what == "LOST":
             assert peer == 3 or (peer in got and peer != r and float(got[peer][3]) <= after), (r, w)
             named3 = named3 or peer == 3
@@ -542,6 +552,9 @@ def test_killed_rank_verdict():
     _check_killed(PlainResult([1, 1, 1, -9], mixed, "", 9.0), 5.0)
     chain = lost.replace("LOST 0 3 0.20", "LOST 0 1 0.30")     # rank 0 saw rank 1 leave first (H200 run)
     _check_killed(PlainResult([1, 1, 1, -9], chain, "", 9.0), 5.0)
+    faulted = lost.replace("in decode)", "in decode; then this rank's CUDA context failed: cudaErrorIllegalAddress: "
+                                         "an illegal memory access was encountered)")    # MPS: the H200 run
+    _check_killed(PlainResult([1, 1, 1, -9], faulted, "", 9.0), 5.0)
     bad = [PlainResult([1, 1, 3, -9], lost.replace("LOST 2", "NOERROR 2"), "", 9.0),          # finished
            PlainResult([1, 1, 2, -9], lost.replace("LOST 2 3", "ERROR 2 -1"), "", 9.0),        # CUDA error
            PlainResult([1, 1, 1, -9], lost.replace("0.22", "11.0"), "", 20.0),                # too late
@@ -549,7 +562,9 @@ def test_killed_rank_verdict():
            PlainResult([1, 1, 1, -9], lost.replace("LOST 0 3", "LOST 0 1").replace("0.21", "0.50"), "", 9.0),  # a peer that left later
            PlainResult([1, 1, 1, -9], lost.replace("LOST 0 3", "LOST 0 1").replace("LOST 1 3", "LOST 1 0")
                        .replace("LOST 2 3", "LOST 2 0"), "", 9.0),                                   # nobody names rank 3
-           PlainResult([1, 1, 1, 0], lost, "", 9.0)]                                         # victim lived
+           PlainResult([1, 1, 1, 0], lost, "", 9.0),                                         # victim lived
+           PlainResult([1, 1, 1, -9], lost.replace("in decode)", "in decode; its kernel is still running 2 s "
+                                                   "after the abort word)", 1), "", 9.0)]     # kernel stuck
     for res in bad:
         with pytest.raises(AssertionError):
             _check_killed(res, 5.0)

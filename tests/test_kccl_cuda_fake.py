@@ -559,3 +559,228 @@ def test_layout_mismatch_refused_on_every_rank(fake_cupy, tmp_path):
 
     _, errs = _ranks(2, body, tmp_path)
     assert errs == [None, None], errs
+
+
+# ---- a kernel that will not end (check_kernel): the H200 run under MPS ----------------------------
+# A rank SIGKILLed mid-decode under MPS: the survivors' kernels faulted (cudaErrorIllegalAddress), their
+# event queries went on answering "not ready", and only a new stream got the error, 20 s later (the
+# backend's hang bound). The fakes below: a kernel that never ends and ignores the abort word, and a
+# runtime whose cudaStreamCreate raises (a faulted context), blocks, or works (a kernel still running).
+class _CudaRuntimeError(RuntimeError):
+    pass
+
+
+_CudaRuntimeError.__name__ = "CUDARuntimeError"
+
+
+class _Context:
+    """The fake context's state: 'ok', 'faulted' (a new stream raises) or 'blocked' (it never returns)."""
+
+    def __init__(self):
+        self.state = "ok"
+        self.release = threading.Event()   # ends the never-ending kernels and blocked calls
+        self.synced = 0
+
+    def stream_create(self, flags):
+        if self.state == "faulted":
+            raise _CudaRuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+        if self.state == "blocked":
+            self.release.wait()
+        return 1234
+
+    def device_synchronize(self):
+        self.synced += 1
+
+
+@pytest.fixture
+def ctx(fake_cupy, monkeypatch):
+    c = _Context()
+    monkeypatch.setattr(_Runtime, "streamCreateWithFlags", staticmethod(c.stream_create), raising=False)
+    monkeypatch.setattr(_Runtime, "streamDestroy", staticmethod(lambda s: None), raising=False)
+    monkeypatch.setattr(_Runtime, "setDevice", staticmethod(lambda d: None), raising=False)
+    monkeypatch.setattr(_Runtime, "deviceSynchronize", staticmethod(c.device_synchronize))
+    monkeypatch.setattr(K, "ABORT_GRACE_S", 0.5)
+    monkeypatch.setattr(K, "STALL_PROBE_S", 0.3)
+    yield c
+    c.release.set()
+    if K._probe_thread is not None:
+        K._probe_thread.join(5)
+        K._probe_thread = None
+
+
+def _stuck_kernel(ctx):
+    """A kccl_op that neither ends nor reads the abort word (killed by a fault, or a bug)."""
+    return _Fn("kccl_op", lambda args: ctx.release.wait())
+
+
+def _gone_pid():
+    import subprocess
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("state, note", [("faulted", "then this rank's CUDA context failed: cudaErrorIllegalAddress"),
+                                         ("blocked", "then this rank's CUDA context failed: a CUDA call "
+                                                     r"\(cudaStreamCreate\) did not return"),
+                                         ("ok", "its kernel is still running 0.5 s after the abort word")])
+def test_dead_peer_and_a_kernel_that_does_not_leave(ctx, tmp_path, state, note):
+    """A peer died and this rank's kernel does not leave on the abort word: PeerLost naming the peer
+    as soon as the context is found faulted (or a CUDA call blocks), else ABORT_GRACE_S after the
+    abort word, saying the kernel is still running; the communicator is abandoned: close() does not
+    synchronize (it would wait for the kernel forever) and frees nothing."""
+    import cupy as cp
+
+    gone = _gone_pid()
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=64, depth=2, tags=("t",), timeout=30)
+        rdv.barrier()
+        if r == 0:
+            comm._k_op = _stuck_kernel(ctx)
+            comm.peers[1] = (gone, 0)
+            ctx.state = state
+            t0 = time.monotonic()
+            with pytest.raises(PeerLost, match=rf"rank 1 \(pid {gone}\) exited \(noticed by rank 0 in allreduce; "
+                                               + note) as ei:
+                comm.allreduce(cp.ones(4, cp.float32))
+            took = time.monotonic() - t0
+            assert ei.value.rank == 1
+            assert took < (0.5 + 1.0 if state == "ok" else 1.5), took
+            assert comm.abandoned and comm._abort.value == 1
+            with pytest.raises(PeerLost):        # unusable from now on
+                comm.barrier()
+            ctx.synced = 0
+            comm.close()
+            assert ctx.synced == 0 and comm._own == 0 and comm._opened == []
+        else:
+            comm.close()
+
+    _, errs = _ranks(2, body, tmp_path)
+    assert errs == [None, None], errs
+
+
+def test_fault_with_every_peer_alive_is_a_kccl_error(ctx, tmp_path):
+    """The kernel stalls (no progress for STALL_PROBE_S) and the context faulted while every peer is
+    alive: KcclError saying so (after waiting ABORT_GRACE_S for a peer to show dead), not a hang."""
+    import cupy as cp
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=64, depth=2, tags=("t",), timeout=30)
+        rdv.barrier()
+        if r == 0:
+            comm._k_op = _stuck_kernel(ctx)
+            ctx.state = "faulted"
+            t0 = time.monotonic()
+            with pytest.raises(KcclError, match="rank 0: CUDA error in barrier, every peer alive: "
+                                                "cudaErrorIllegalAddress") as ei:
+                comm.barrier()
+            assert not isinstance(ei.value, PeerLost)
+            assert 0.3 < time.monotonic() - t0 < 2.5
+            assert comm.abandoned
+            comm.close()
+        rdv.barrier()
+        if r == 1:
+            comm.close()
+
+    _, errs = _ranks(2, body, tmp_path)
+    assert errs == [None, None], errs
+
+
+def test_peer_gone_sees_an_exiting_process(monkeypatch):
+    """PF_EXITING in /proc/PID/stat counts as gone (a SIGKILLed process whose exit takes a while)."""
+    import builtins
+    import io
+    import os
+    me = os.getpid()
+    assert not K.peer_gone(me)
+    with open(f"/proc/{me}/stat", "rb") as f:
+        stat = f.read()
+    head, rest = stat[:stat.rindex(b")") + 2], stat[stat.rindex(b")") + 2:].split(b" ")
+    rest[6] = str(int(rest[6]) | K.PF_EXITING).encode()
+    exiting = head + b" ".join(rest)
+    real_open = builtins.open
+
+    def fake_open(path, *a, **k):
+        if path == f"/proc/{me}/stat":
+            return io.BytesIO(exiting)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert K.peer_gone(me)
+    assert K.peer_gone(_gone_pid())
+
+
+# ---- the cuda backend's decode loop against a kernel that faulted (no GPU: the loop only) -------------
+class _Event:
+    """A CuPy event whose kernel never completes and whose query never reports the fault (the H200)."""
+
+    def record(self, stream=None):
+        pass
+
+    done = property(lambda self: False)
+
+
+class _Ctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _backend(comm, n_written):
+    """A CudaBackend with only what _generate touches: the kernel 'wrote' n_written tokens, then hung."""
+    import cupy as cp
+    from workers.cuda import backend as B
+
+    b = object.__new__(B.CudaBackend)
+    b.cp = cp
+    cp.cuda.Event = _Event
+    b.cfg = types.SimpleNamespace(vocab_size=100, num_hidden_layers=2)
+    b.comm, b.nranks, b.num_slots = comm, comm.size, 1
+    b.stream = _Ctx()
+    b._poison = b._launch = lambda *a: None
+    b._params = lambda *a: None
+    b._timing = None
+    ring = types.SimpleNamespace(a=np.full(64, -1, np.int32), free=lambda: pytest.fail("freed"))
+    ring.a[:n_written] = 7
+    b.ring = ring
+    b.status = types.SimpleNamespace(a=np.array([n_written, 0, 0, 0], np.int32), free=lambda: pytest.fail("freed"))
+    b.cancel = types.SimpleNamespace(a=np.zeros(1, np.int32), free=lambda: pytest.fail("freed"))
+    return b
+
+
+def test_backend_reports_peer_lost_when_the_kernel_faulted(ctx, tmp_path):
+    """The H200 run, on the CPU: a peer died mid-decode, the kernel stopped after 5 tokens and its event
+    never completes; a new stream raises cudaErrorIllegalAddress. The decode loop raises PeerLost
+    naming the peer within a second (not the 20 s hang bound and a raw CUDA error), keeps the launch's
+    events (destroying them would print tracebacks) and close() frees nothing."""
+    from workers.backend import Clock, RunResult
+    from workers.cuda import backend as B
+    from kog_dist.sampling import SamplingParams
+
+    gone = _gone_pid()
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=64, depth=2, tags=("t",), timeout=5)
+        rdv.barrier()
+        if r == 0:
+            b = _backend(comm, 5)
+            comm.peers[1] = (gone, 0)
+            ctx.state = "faulted"
+            kept = len(B._KEEP)
+            t0 = time.monotonic()
+            toks = []
+            with pytest.raises(PeerLost, match=rf"rank 1 \(pid {gone}\) exited \(noticed by rank 0 in decode; "
+                                               "then this rank's CUDA context failed: cudaErrorIllegalAddress"):
+                b._generate(None, None, 1, 3, 50, SamplingParams(), (), (), toks.append, Clock(), RunResult(), None)
+            assert time.monotonic() - t0 < 1.0
+            assert toks == [7] * 5 and len(B._KEEP) == kept + 1
+            b.close()
+            comm.close()
+        else:
+            comm.close()
+
+    _, errs = _ranks(2, body, tmp_path)
+    assert errs == [None, None], errs

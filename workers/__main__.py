@@ -45,21 +45,28 @@ def main(argv=None) -> int:
     try:
         rc = run(a)
     except KeyboardInterrupt:
-        rc = 130
+        _leave(130)
     except Exception as e:  # one line per rank, never a traceback (KOG_DEBUG=1 shows it)
         if os.environ.get("KOG_DEBUG"):
             raise
         rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "?"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kog-worker: error: rank {rank}: {msg}", file=sys.stderr, flush=True)
-        rc = 2 if isinstance(e, ValueError) else 1
+        # leave here, while the exception still holds the failed run's frames: releasing them would
+        # destroy its CuPy streams and events, and after a sticky CUDA error (a peer's death under
+        # MPS) each destructor prints an "Exception ignored" traceback
+        _leave(2 if isinstance(e, ValueError) else 1)
     if rc != 0:
-        # MPI_Finalize at interpreter exit waits for every rank; after a failure some may be gone,
-        # so leave without it rather than hang.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        _leave(rc)
     return rc
+
+
+def _leave(rc: int) -> None:
+    """MPI_Finalize at interpreter exit waits for every rank; after a failure some may be gone, so
+    leave without it (and without the interpreter's teardown) rather than hang."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def run(a) -> int:

@@ -23,6 +23,14 @@ from ..backend import Backend, Clock, RunCommand, RunResult, check_command
 REASONS = {1: "eos", 2: "stop", 3: "length", 4: "cancel"}
 N_PARAMS = 64
 MAX_STOP, MAX_EOS = 16, 8
+# CuPy events of launches that failed with a CUDA error, or with several ranks (a peer lost, a kccl
+# error; the context may have faulted): kept to the process's end, since destroying them in a faulted
+# context prints an "Exception ignored" traceback each
+_KEEP: list = []
+
+
+def _cuda_error(exc) -> bool:
+    return type(exc).__name__ in ("CUDARuntimeError", "CUDADriverError")
 
 
 def rope_table(cfg, max_seq: int):
@@ -151,6 +159,11 @@ class CudaBackend(Backend):
         self.caches[slot] = None
 
     def close(self) -> None:
+        if getattr(self.comm, "abandoned", False):
+            # a kernel may still run (cudaFreeHost would wait for it) or the context faulted: the
+            # process's exit frees the mapped buffers
+            self.caches = [None] * self.num_slots
+            return
         for m in (self.ring, self.status, self.cancel):
             m.free()
         self.caches = [None] * self.num_slots
@@ -242,16 +255,26 @@ class CudaBackend(Backend):
         self.cooperative = True
 
     def _hang_report(self, seen):
-        """The kernel made no progress: print its counters (read on another stream while it runs) and
-        end the process, since a stuck kernel holds the device."""
+        """The kernel made no progress for hang_s: if the CUDA context faulted, raise that (several
+        ranks: the communicator's verdict, PeerLost when a peer died); else print the kernel's counters
+        (read on another stream while it runs) and end the process, since a stuck kernel holds the
+        device. Raw runtime calls: no CuPy stream whose destructor would print in a faulted context."""
         import os
         import sys
-        cp = self.cp
-        s = cp.cuda.Stream(non_blocking=True)
+
+        from kccl.cuda_ipc import context_error, one_line
+        exc = context_error(self.cp.cuda.runtime.getDevice())
+        if exc is not None:
+            if self.comm is not None:
+                raise self.comm.fault(exc, "decode") from exc
+            raise RuntimeError(f"monokernel: CUDA error after {seen} tokens: {one_line(exc)}") from exc
+        rt = self.cp.cuda.runtime
         host = np.zeros(self.ctr.size, np.uint64)
         try:
-            cp.cuda.runtime.memcpyAsync(host.ctypes.data, self.ctr.data.ptr, host.nbytes, 2, s.ptr)
-            s.synchronize()
+            s = rt.streamCreateWithFlags(1)
+            rt.memcpyAsync(host.ctypes.data, self.ctr.data.ptr, host.nbytes, 2, s)
+            rt.streamSynchronize(s)
+            rt.streamDestroy(s)
         except Exception as e:  # noqa: BLE001
             print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
         L = self.rcfg.num_lanes
@@ -300,12 +323,25 @@ class CudaBackend(Backend):
 
     _watch_t = 0.0
 
-    def _watch(self):
-        """Several ranks: every ~0.1 s, a dead peer raises the abort word (the kernel's waits give up)."""
+    def _watch(self, stalled_s: float):
+        """Several ranks, every ~0.1 s: kccl's check_kernel. A dead peer raises the abort word (the
+        kernel's waits give up and it leaves; the host then raises PeerLost from the status words).
+        It raises by itself when the kernel will not leave: the CUDA context faulted (under MPS, the
+        dead rank's memory goes away under the survivors' kernels) or the kernel ignores the abort
+        word / its own failed wait for ABORT_GRACE_S; stalled_s: seconds since the last token."""
         now = time.perf_counter()
         if now - self._watch_t >= 0.1:
             self._watch_t = now
-            self.comm.watch()
+            self.comm.check_kernel("decode", stalled_s)
+
+    def _done(self, ev) -> bool:
+        """ev.done; with several ranks a CUDA error there is the communicator's to explain."""
+        try:
+            return ev.done
+        except Exception as exc:  # noqa: BLE001 - CUDARuntimeError of a faulted context
+            if self.comm is None:
+                raise
+            raise self.comm.fault(exc, "decode") from exc
 
     def _after_kernel(self):
         """Several ranks: raise what a kccl wait reported (PeerLost / KcclTimeout / KcclError), else
@@ -340,46 +376,57 @@ class CudaBackend(Backend):
         seen = 0
         ring, status = self.ring.a, self.status.a
         last_progress = time.perf_counter()
-        while True:
-            cnt = int(status[0])
-            while seen < cnt and reason is None:
-                tok = int(ring[seen])
-                if not 0 <= tok < V:
-                    raise RuntimeError(f"monokernel: token {seen} not written (read {tok})")
-                seen += 1
-                toks.append(tok)
-                now = clock.ms()
-                if t_first is None:
-                    t_first = res.first_token_ms = now
-                res.decode_ms = now - t_first
-                go = on_token(tok) is not False if on_token else True
-                if not go:
-                    reason = "cancel"
-                elif tok in stop_set or tok in eos_set:
-                    reason = "eos" if tok in eos_set else "stop"
-                elif len(toks) >= max_new:
-                    reason = "length"
-                if reason is not None and reason != "length":
-                    self.cancel.a[0] = 1          # the kernel stops within one token
-                    self.cancel_raised_at = int(status[0])
-                last_progress = time.perf_counter()
-            if reason is not None or ev1.done:
-                if reason is None:
-                    # the kernel ended: drain what it wrote
-                    if int(status[0]) > seen:
-                        continue
-                break
+        try:
+            while True:
+                cnt = int(status[0])
+                while seen < cnt and reason is None:
+                    tok = int(ring[seen])
+                    if not 0 <= tok < V:
+                        raise RuntimeError(f"monokernel: token {seen} not written (read {tok})")
+                    seen += 1
+                    toks.append(tok)
+                    now = clock.ms()
+                    if t_first is None:
+                        t_first = res.first_token_ms = now
+                    res.decode_ms = now - t_first
+                    go = on_token(tok) is not False if on_token else True
+                    if not go:
+                        reason = "cancel"
+                    elif tok in stop_set or tok in eos_set:
+                        reason = "eos" if tok in eos_set else "stop"
+                    elif len(toks) >= max_new:
+                        reason = "length"
+                    if reason is not None and reason != "length":
+                        self.cancel.a[0] = 1          # the kernel stops within one token
+                        self.cancel_raised_at = int(status[0])
+                    last_progress = time.perf_counter()
+                if reason is not None or self._done(ev1):
+                    if reason is None:
+                        # the kernel ended: drain what it wrote
+                        if int(status[0]) > seen:
+                            continue
+                    break
+                stalled = time.perf_counter() - last_progress
+                if self.comm is not None:
+                    self._watch(stalled)
+                if stalled > self.hang_s:
+                    self._hang_report(seen)
             if self.comm is not None:
-                self._watch()
-            if time.perf_counter() - last_progress > self.hang_s:
-                self._hang_report(seen)
-        if self.comm is not None:
-            while not ev1.done:          # the host stopped reading: the kernel stops within two tokens
-                self._watch()
-                time.sleep(0.001)
-        ev1.synchronize()
-        if self.comm is not None:
-            self._after_kernel()
+                while not self._done(ev1):   # the host stopped reading: the kernel stops within two tokens
+                    self._watch(time.perf_counter() - last_progress)
+                    time.sleep(0.001)
+            try:
+                ev1.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                if self.comm is None:
+                    raise
+                raise self.comm.fault(exc, "decode") from exc
+            if self.comm is not None:
+                self._after_kernel()
+        except Exception as exc:
+            if self.comm is not None or _cuda_error(exc):   # the process exits after either
+                _KEEP.append((ev0, ev1))
+            raise
         self.last_kernel_ms = cp.cuda.get_elapsed_time(ev0, ev1)
         self.last_timing = self._timing.get() if self._timing is not None else None
         if reason is None:
