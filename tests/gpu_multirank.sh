@@ -16,7 +16,7 @@
 #          `kog client generate --json` against `kog generate --backend cpu` (SERVED_MR EQUAL), then
 #          SIGTERM to mpirun and its exit code; then `kog generate --np 2` with --backend auto (AUTO_NP2:
 #          auto must pick cuda when every rank sees a GPU, and give the same ids)
-#   kccl8  kccl/device/run_gpu_checks.sh STEPS="compile stress8": the transport's N = 8 stress (< 60 s)
+#   kccl8  kccl/device/run_gpu_checks.sh STEPS="compile stress8": the transport's N = 8 stress (3000 rounds)
 #   kill   -k killed_rank_makes: 4 ranks, rank 3 SIGKILLed mid-decode / between two requests: the others
 #          raise PeerLost (or KcclTimeout naming it) within the 5 s kccl timeout + 5 s and exit 1 (late in
 #          the list: should a dead rank's in-flight work upset the MPS server, only the bench comes after)
@@ -148,7 +148,7 @@ serve) if [ "$(left)" -lt 60 ]; then log "serve skipped: past the ${DEADLINE} s 
    s=$SECONDS; serve_mr >"$OUT/serve.log" 2>&1   # not under timeout (a shell function): each command in it is bounded
    log "serve rc=$? $((SECONDS - s))s"; grep -h "^SERVED_MR\|^AUTO_NP2" "$OUT/serve.log" | tee -a "$OUT/summary.txt"
    tail -n 30 "$OUT/serve.log" >>"$OUT/summary.txt" ;;
-kccl8) run kccl8 100 env OUT="$OUT/kccl" STEPS="compile stress8" DEADLINE=95 bash kccl/device/run_gpu_checks.sh ;;
+kccl8) run kccl8 130 env OUT="$OUT/kccl" STEPS="compile stress8" DEADLINE=125 bash kccl/device/run_gpu_checks.sh ;;
 bench) cat >"$OUT/bench_mr.py" <<'PY'
 # one rank of the multi-rank bench (2B shape, bf16, random weights, greedy, EOS ignored)
 import sys, cupy as cp

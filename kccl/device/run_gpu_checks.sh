@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU checks of the kccl cuda_ipc transport on one machine (one H200 shared by N ranks under MPS):
-# compile, smoke (N = 2), gpu (host ops N = 2, 4; stress N = 2, 4), stress8 (stress N = 8, 300 rounds,
+# compile, smoke (N = 2), gpu (host ops N = 2, 4; stress N = 2, 4), stress8 (stress N = 8, 3000 rounds,
 # bounded at 55 s), bench (N = 1, 2, 4), faults (a silent rank, a SIGKILLed rank). About 2 min on the
 # H200; logs and summary.txt under ${OUT:-/tmp/kccl_out}. Run from the repository root as root (MPS
 # control). STEPS="compile stress8" runs a subset; without the mps step MPS is left as it is (so
@@ -16,7 +16,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 PY=$(command -v python3)
 MPI="$KCCL_MPIEXEC --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED"
 STEPS=${STEPS:-"info mps compile smoke gpu stress8 bench faults"}
-DEADLINE=${DEADLINE:-170}
+DEADLINE=${DEADLINE:-200}
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 # run NAME SECONDS CMD...: bounded by SECONDS and by what is left of DEADLINE
 run() { local name=$1 t=$2; shift 2; local left=$((DEADLINE - SECONDS - 5))
@@ -52,7 +52,7 @@ smoke) run smoke 45 $MPI -n 2 $PY -c "$SMOKE"
       run smoke_nomps 45 $MPI -n 2 $PY -c "$SMOKE"; fi ;;
 cpu) run test_cpu 120 $PY -m pytest -q tests/test_kccl_cuda.py tests/test_kccl_cuda_fake.py ;;
 gpu) run test_gpu 300 $GPUTEST -k "host_ops or (stress and not n8)" ;;
-stress8) run stress8 65 $GPUTEST -k "stress and n8" ;;
+stress8) run stress8 100 $GPUTEST -k "stress and n8" ;;
 bench) for n in ${BENCH_NS:-1 2 4}; do run bench_n$n 60 $MPI -n $n $PY -m kccl.bench --transport cuda_ipc --iters 1000 --warmup 100; done ;;
 faults) run test_faults 130 $GPUTEST -k "silent or killed" ;;
 *) log "unknown step $step" ;;
