@@ -5,8 +5,8 @@ host-mapped cancel flag that the kernel reads once per token.
 One rank runs every lane (the measured path). With a kccl `cuda_ipc` CudaCommunicator of N > 1 ranks
 (`comm`), rank r runs lanes [r*L/N, (r+1)*L/N) and its monokernel (built with KOG_NRANKS = N)
 exchanges lane partials with the other ranks through kccl.cuh; every rank samples the same token.
-THE MULTI-RANK PATH IS COMPILE-CHECKED ONLY: not yet run on a GPU (docs/kccl-gpu.md "multi-rank
-monokernel", tests/gpu_multirank.sh). Stop rules and results follow workers/cpu_backend.py exactly: the
+The multi-rank path has run on one GPU shared by N ranks under MPS (docs/kccl-gpu.md "multi-rank
+monokernel", tests/gpu_multirank.sh), not yet across several GPUs. Stop rules and results follow workers/cpu_backend.py exactly: the
 host applies them to the tokens in order; the kernel stops by itself on EOS / stop ids / max tokens /
 cancel, so it never runs more than one token past the host's decision (two with several ranks: the
 cancel word travels with the final-norm exchange of the next token).

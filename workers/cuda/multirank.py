@@ -6,7 +6,8 @@ Everything here is plain Python (no CuPy), so tests/test_cuda_multirank.py check
 ranges, the kernel's compile-time defines, the epoch schedule the kernel follows (mirrors mr_posted /
 mr_read_later / mr_index of monokernel.cu) and the communicator's slot sizes.
 
-STATUS: compile-checked only (nvcc -arch=sm_90, N = 2, 4, 8). Not yet run on a GPU.
+STATUS: run on one H200 under MPS (2026-11-29): N = 2, 4, 8 ranks give the one-rank and numpy ids; a rank
+killed mid-decode makes the others raise PeerLost (BENCHMARKS.md). Not yet run across several GPUs (issue 9).
 """
 from __future__ import annotations
 

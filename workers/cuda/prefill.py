@@ -21,7 +21,7 @@ class Prefill:
     ranks, a kccl CudaCommunicator): each layer's partials [L/N][T][D] are gathered into every lane's
     [L][T][D] with host-API all-reduces of zero-padded pieces between the GEMMs (x + 0 + ... = x), and
     pf_combine_mr applies the combine to the rank's lanes in lane order (the one-rank arithmetic).
-    Multi-rank: compile-checked only, not yet run on a GPU."""
+    Multi-rank: run on one GPU shared by several ranks (MPS), not yet across GPUs."""
 
     def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None):
         import cupy as cp
