@@ -47,6 +47,21 @@ serve_model() {
       --hidden 256 --ffn 512 --delay 2 --window 16 --window-layers 2 --dtype f32 --seed 3
 }
 
+same_ids() {   # same_ids CPU.json OTHER.json LABEL: one verdict line "LABEL EQUAL True|False ..."
+  $PY - "$@" <<'PY'
+import json, sys
+a = json.load(open(sys.argv[1]))
+try:
+    b = json.load(open(sys.argv[2]))
+except Exception as e:  # noqa: BLE001
+    sys.exit(print(sys.argv[3], "EQUAL False (no answer:", repr(e)[:200], ")"))
+eq = a["token_ids"] == b["token_ids"]
+print(sys.argv[3], "EQUAL", eq, "tokens", len(b["token_ids"]), "backend", b.get("backend"), "ranks", b.get("ranks"),
+      "stats", b.get("stats"))
+if not eq:
+    print("  cpu   ", a["token_ids"]); print("  other ", b["token_ids"])
+PY
+}
 serve_mr() {   # the serve step; prints to stdout (serve.log), its verdict lines start with SERVED_MR / AUTO_NP2
   local ids=1,5,9,40 n=48 port ep w rc t0
   serve_model || { echo "SERVED_MR no model"; return 1; }
@@ -65,18 +80,7 @@ serve_mr() {   # the serve step; prints to stdout (serve.log), its verdict lines
   echo "health answered after $((SECONDS - t0)) s: $(tr '\n' ' ' <"$OUT/serve_health.log" | cut -c1-300)"
   timeout 70 $K client --connect $ep --timeout 60 generate --prompt-ids $ids -n $n --json >"$OUT/serve_mr.json"
   echo "client generate rc=$?"
-  $PY - "$OUT/serve_cpu.json" "$OUT/serve_mr.json" SERVED_MR <<'PY'
-import json, sys
-a = json.load(open(sys.argv[1]))
-try:
-    b = json.load(open(sys.argv[2]))
-except Exception as e:  # noqa: BLE001
-    sys.exit(print(sys.argv[3], "EQUAL False (no answer:", repr(e)[:200], ")"))
-eq = a["token_ids"] == b["token_ids"]
-print(sys.argv[3], "EQUAL", eq, "tokens", len(b["token_ids"]), "stats", b.get("stats"))
-if not eq:
-    print("  cpu   ", a["token_ids"]); print("  other ", b["token_ids"])
-PY
+  same_ids "$OUT/serve_cpu.json" "$OUT/serve_mr.json" SERVED_MR
   kill -TERM $w 2>/dev/null
   t0=$SECONDS
   while kill -0 $w 2>/dev/null && [ $((SECONDS - t0)) -lt 30 ]; do sleep 0.5; done
@@ -89,16 +93,7 @@ PY
   timeout 90 $K generate --np 2 --backend auto --model "$SM" --prompt-ids $ids -n $n --json \
       >"$OUT/auto_np2.json" 2>"$OUT/auto_np2.err"
   echo "kog generate --np 2 --backend auto rc=$?"; tail -n 5 "$OUT/auto_np2.err"
-  $PY - "$OUT/serve_cpu.json" "$OUT/auto_np2.json" AUTO_NP2 <<'PY'
-import json, sys
-a = json.load(open(sys.argv[1]))
-try:
-    b = json.load(open(sys.argv[2]))
-except Exception as e:  # noqa: BLE001
-    sys.exit(print(sys.argv[3], "EQUAL False (no answer:", repr(e)[:200], ")"))
-print(sys.argv[3], "EQUAL", a["token_ids"] == b["token_ids"], "backend", b.get("backend"), "ranks", b.get("ranks"),
-      "stats", b.get("stats"))
-PY
+  same_ids "$OUT/serve_cpu.json" "$OUT/auto_np2.json" AUTO_NP2
 }
 
 MPS=0
