@@ -144,47 +144,8 @@ serve) if [ "$(left)" -lt 60 ]; then log "serve skipped: past the ${DEADLINE} s 
    log "serve rc=$? $((SECONDS - s))s"; grep -h "^SERVED_MR\|^AUTO_NP2" "$OUT/serve.log" | tee -a "$OUT/summary.txt"
    tail -n 30 "$OUT/serve.log" >>"$OUT/summary.txt" ;;
 kccl8) run kccl8 130 env OUT="$OUT/kccl" STEPS="compile stress8" DEADLINE=125 bash kccl/device/run_gpu_checks.sh ;;
-bench) cat >"$OUT/bench_mr.py" <<'PY'
-# one rank of the multi-rank bench (2B shape, bf16, random weights, greedy, EOS ignored)
-import sys, cupy as cp
-from mpi4py import MPI
-w = MPI.COMM_WORLD
-n = w.size
-cp.cuda.Device(w.rank % cp.cuda.runtime.getDeviceCount()).use()
-from kog_dist.bench import shape_config
-from workers.backend import RunCommand
-from workers.cuda import multirank as mr
-from workers.cuda.backend import CudaBackend
-from workers.cuda.build import build, default_blocks
-from workers.cuda.weights import random_weights
-cfg, dt, gen = shape_config("2b"), "BF16", int(sys.argv[1])
-sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-comm = None
-if n > 1:
-    from kccl import Communicator
-    comm = Communicator.create(w, transport="cuda_ipc", **mr.comm_kwargs(cfg, n))
-    view = mr.RankView(cfg, w.rank, n)
-    nb = mr.blocks_per_rank(view, sms, n)
-else:
-    view, nb = cfg, default_blocks(cfg, sms)
-k = build(cfg, dt, nb, nranks=n, progress=False)
-dw = random_weights(view, dt, k, seed=1)
-b = CudaBackend(cfg=cfg, weights=dw, comm=comm, nblocks=nb, max_seq=4096, num_slots=1, progress=False)
-b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=32), ignore_eos=True)          # warm-up
-rates = []
-for _ in range(3):
-    r = b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=gen), ignore_eos=True)
-    rates.append((len(r.token_ids) - 1) / r.decode_ms * 1e3)
-ids = w.gather(r.token_ids[:64], root=0)
-if w.rank == 0:
-    same = all(x == ids[0] for x in ids)
-    print(f"BENCH N={n} blocks/rank={nb} tokens={gen} tokens/s best={max(rates):.1f} all={[round(x, 1) for x in rates]} "
-          f"kernel_ms={b.last_kernel_ms:.1f} ranks_same_ids={same}", flush=True)
-b.close()
-if comm is not None:
-    comm.shutdown()
-PY
-   for n in ${BENCH_NS:-1 2 4}; do run bench_n$n 90 $MPI -n $n $PY "$OUT/bench_mr.py" ${BENCH_TOKENS:-512}; done
+bench)
+   for n in ${BENCH_NS:-1 2 4}; do run bench_n$n 90 $MPI -n $n $PY tests/bench_multirank.py ${BENCH_TOKENS:-512}; done
    grep -h BENCH "$OUT"/bench_n*.log | tee -a "$OUT/summary.txt" ;;
 *) log "unknown step $step" ;;
 esac; done

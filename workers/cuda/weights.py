@@ -126,13 +126,22 @@ def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress
 
 def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = None) -> DeviceWeights:
     """Random weights created on the device (no host copy): N(0, 1/fan_in) matrices, norms 1 + 0.1 N(0,1),
-    embedding N(0, 1). For benchmarks at a published shape with nothing downloaded."""
+    embedding N(0, 1). For benchmarks at a published shape with nothing downloaded. Every lane's slices
+    come from a generator of its own (seed, layer, matrix, global lane), so a rank's view (a
+    multirank.RankView: `cfg.lanes` its global lanes) gets exactly those lanes of the one-rank model and
+    N ranks decode the same model as one."""
     import cupy as cp
     dw = DeviceWeights(cfg, dtype)
-    rng = cp.random.default_rng(seed)
     conv = kernels.fn["f32_to_w"]
+    lanes = list(getattr(cfg, "lanes", range(cfg.num_lanes)))
 
-    def fill(dst, fan_in, scale=1.0):
+    def rng_of(*key):
+        h = seed
+        for k in key:
+            h = (h * 1000003 + k + 1) % (1 << 62)
+        return cp.random.default_rng(h)
+
+    def fill(dst, fan_in, rng, scale=1.0):
         flat = dst.reshape(-1)
         step = 1 << 26
         for a in range(0, flat.size, step):
@@ -144,21 +153,27 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
                 conv((max(1, min(4096, (n + 255) // 256)),), (256,), (x, flat[a:a + n], cp.int64(n)))
 
     D, N = cfg.hidden_size, cfg.num_hidden_layers
+    fans = {"qkv": D, "wo": cfg.heads_per_lane * cfg.head_dim, "w13": D, "w2": cfg.ffn_per_lane}
     for i in range(N):
         r = dw.regions(i)
-        fill(r["qkv"], D)
-        fill(r["wo"], cfg.heads_per_lane * cfg.head_dim)
-        fill(r["w13"], D)
-        fill(r["w2"], cfg.ffn_per_lane)
-    dw.norms[...] = 1.0 + 0.1 * rng.standard_normal(dw.norms.shape, dtype=cp.float32)
-    if cfg.replicated_rmsn_scale:
-        dw.norms[...] = dw.norms[:, :, :1, :].copy()
-    dw.fnorm[...] = 1.0 + 0.1 * rng.standard_normal(dw.fnorm.shape, dtype=cp.float32)
-    if cfg.replicated_rmsn_scale:
-        dw.fnorm[...] = dw.fnorm[:1].copy()
-    fill(dw.emb, 1)
+        for m, (name, fan) in enumerate(fans.items()):
+            for j, g in enumerate(lanes):
+                fill(r[name][j], fan, rng_of(1, i, m, g))
+
+    def norm_rows(shape_lead, key):   # 1 + 0.1 N(0, 1): one row per global lane, or one shared row
+        if cfg.replicated_rmsn_scale:
+            row = 1.0 + 0.1 * rng_of(*key).standard_normal(D, dtype=cp.float32)
+            return cp.broadcast_to(row, shape_lead + (len(lanes), D))
+        rows = [1.0 + 0.1 * rng_of(*key, g).standard_normal(D, dtype=cp.float32) for g in lanes]
+        return cp.broadcast_to(cp.stack(rows), shape_lead + (len(lanes), D))
+
+    for i in range(N):
+        for kind in range(2):
+            dw.norms[i, kind] = norm_rows((), (2, i, kind))
+    dw.fnorm[...] = norm_rows((), (3,))
+    fill(dw.emb, 1, rng_of(4))
     if dw.lm is not dw.emb:
-        fill(dw.lm, D, 2.0)
+        fill(dw.lm, D, rng_of(5), 2.0)
     cp.cuda.Device().synchronize()
     return dw
 
