@@ -1,9 +1,10 @@
 """`kog topo` / `kog-topo`: report the machine, its GPU links and partitions, and the rank plan.
 
   kog topo [--ranks N] [--json] [--sysfs-root DIR] [--amd-smi-json FILE] [--no-nvml]
+  kog topo --record DIR [--sysfs-root SRC] [--no-nvml]   record this machine (topology/record.py)
 
-Exit status: 0 on success, 2 on bad input (missing or malformed tree or file, impossible plan),
-with one line on stderr.
+Exit status: 0 on success, 2 on bad input (missing or malformed tree or file, impossible plan,
+a --record DIR that exists and is not empty or cannot be written), with one line on stderr.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from .model import TopologyError
 from .plan import plan
 from .probe import probe
+from .record import record
 from .report import render, to_json
 
 
@@ -32,12 +34,29 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--amd-smi-json", metavar="FILE", default=None,
                     help="read recorded amd-smi JSON instead of running amd-smi")
     ap.add_argument("--no-nvml", action="store_true", help="do not query NVML")
+    ap.add_argument("--record", metavar="DIR", default=None,
+                    help="write this machine (or the --sysfs-root tree) as a recorded tree in the "
+                         "new or empty DIR, for --sysfs-root DIR")
     return ap
+
+
+def _record(args) -> int:
+    if args.ranks is not None or args.json or args.amd_smi_json:
+        raise TopologyError("--record takes only --sysfs-root and --no-nvml")
+    r = record(args.record, args.sysfs_root, use_nvml=False if args.no_nvml else None)
+    print(f"kog topo: recorded {r['dest']}: {r['files']} files, {r['pci_devices']} PCI devices, "
+          f"{r['gpus']} GPUs, {r['links']} links in kog-links.json; read it with "
+          f"kog topo --sysfs-root {r['dest']}")
+    for d in r["differences"]:
+        print(f"kog topo: warning: the recording differs from the live probe in {d}", file=sys.stderr)
+    return 0
 
 
 def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
+        if args.record is not None:
+            return _record(args)
         m = probe(sysfs_root=args.sysfs_root, amd_smi_json=args.amd_smi_json,
                   use_nvml=False if args.no_nvml else None)
         p = plan(m, args.ranks)
