@@ -4,7 +4,7 @@
 #   bash tests/gpu_multigpu.sh          # logs + summary.txt under ${OUT:-/tmp/kog_mg_out}
 # Steps (STEPS= a subset):
 #   info   versions, nvidia-smi, nvidia-smi topo -m
-#   topo   `kog topo` report and --json, and `kog topo --record` of this machine (the fixture to commit)
+#   topo   `kog topo` report and --json, and `kog topo --record` of this machine (topo_fixture.tgz: the fixture)
 #   build  the kernels below compiled once, in parallel (2B bf16 for N in NS; tiny fp32 8 lanes N = 1, 2)
 #   ids    tests/test_cuda_multirank.py ids test for N = 2: ranks on 2 GPUs give the one-rank and numpy ids
 #   kccl   python -m kccl.bench --transport cuda_ipc for N in NS (N > 1), NCCL beside it (ranks on distinct GPUs)
@@ -33,7 +33,12 @@ info) { date -u; nvidia-smi; nvidia-smi topo -m; $PY -c "import cupy, mpi4py; pr
       sed -n '/GPU0/,/^$/p' "$OUT/info.log" | tee -a "$OUT/summary.txt" ;;
 topo) run topo 60 $K topo
       $K topo --json >"$OUT/topo.json" 2>>"$OUT/topo.log"
-      $K topo --record "$OUT/fixture" >>"$OUT/topo.log" 2>&1 && log "fixture recorded in $OUT/fixture" || log "topo --record failed" ;;
+      # the device tool does not send symlinks back: record under /tmp, ship a tarball
+      rm -rf /tmp/kog_topo_fixture
+      if $K topo --record /tmp/kog_topo_fixture >>"$OUT/topo.log" 2>&1; then
+        tar -C /tmp -czf "$OUT/topo_fixture.tgz" kog_topo_fixture && log "fixture: $OUT/topo_fixture.tgz"
+        grep -h "warning" "$OUT/topo.log" | tee -a "$OUT/summary.txt"
+      else log "topo --record failed"; fi ;;
 build) run build 200 $PY - $NS <<'PY'
 import subprocess, sys, time
 t0 = time.time()
