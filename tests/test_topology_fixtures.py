@@ -170,6 +170,20 @@ def test_vm_numa_unknown():
     assert kog_topo("--sysfs-root", fx("vm_1gpu")).stdout.count("N/A") >= 2
 
 
+def test_h200_x2_recorded():
+    """Recorded with `kog topo --record` on the lent 2 x H200 machine (2026-11-29): one NUMA node whose
+    GPUs read numa_node -1, 32 CPUs, NV18 between the two GPUs (NVML's view, kept in kog-links.json)."""
+    m = machine("h200_x2_lent")
+    assert [g.bus_id for g in m.gpus] == ["0000:00:06.0", "0000:00:07.0"] and len(m.cpus) == 32
+    assert all(g.numa is None for g in m.gpus)
+    link = m.links[(0, 1)]
+    assert (link.kind, link.width) == ("NV", 18)
+    p = plan(m, 2)
+    assert [(e.gpu, e.cores) for e in p.entries] == [(0, list(range(16))), (1, list(range(16, 32)))]
+    out = kog_topo("--sysfs-root", fx("h200_x2_lent")).stdout
+    assert "NV18" in out and "2 GPUs" in out
+
+
 def test_cpu_only_two_cores():
     m = machine("cpu_2core")
     assert m.gpus == [] and m.cpus == [0, 1] and [n.id for n in m.numa_nodes] == [0]
