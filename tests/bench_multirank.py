@@ -2,7 +2,8 @@
 tests/gpu_multigpu.sh): the 2B shape, bf16, random weights made on the device, greedy, EOS ignored;
 rank r uses GPU r % (GPUs seen). Prints one BENCH line on rank 0 with the tokens/s of 3 runs and the
 first ids, so the lines of different N can be compared.
-    mpirun -n N python3 tests/bench_multirank.py [tokens]
+    mpirun -n N python3 tests/bench_multirank.py [tokens] [profile]
+profile: also the per-phase clock marks of decode step 200 on every rank (where the time goes).
 """
 import sys, cupy as cp
 from mpi4py import MPI
@@ -34,6 +35,12 @@ rates = []
 for _ in range(3):
     r = b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=gen), ignore_eos=True)
     rates.append((len(r.token_ids) - 1) / r.decode_ms * 1e3)
+if "profile" in sys.argv[2:]:
+    from workers.cuda.bench_kernel import format_breakdown, phase_breakdown
+    b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=min(gen, 256)), ignore_eos=True, timing_token=200)
+    text = format_breakdown(phase_breakdown(b.last_timing, cfg.num_hidden_layers))
+    for q, t in enumerate(w.gather(text, root=0) or []):
+        print(f"PROFILE N={n} rank {q} (decode step 200):\n{t}", flush=True)
 ids = w.gather(r.token_ids[:64], root=0)
 if w.rank == 0:
     same = all(x == ids[0] for x in ids)

@@ -8,7 +8,8 @@
 #   build  the kernels below compiled once, in parallel (2B bf16 for N in NS; tiny fp32 8 lanes N = 1, 2)
 #   ids    tests/test_cuda_multirank.py ids test for N = 2: ranks on 2 GPUs give the one-rank and numpy ids
 #   kccl   python -m kccl.bench --transport cuda_ipc for N in NS (N > 1), NCCL beside it (ranks on distinct GPUs)
-#   bench  tests/bench_multirank.py: 2B decode tokens/s and first ids for N in NS (compare the ids lines)
+#   bench  tests/bench_multirank.py: 2B decode tokens/s and first ids for N in NS (compare the ids lines);
+#          BENCH_PROFILE=1: also every rank's per-phase breakdown of decode step 200
 # NS defaults to 1 2 4 8 up to the number of GPUs. NCCL_NVLS_ENABLE=0: no NVLink multicast objects.
 OUT=${OUT:-/tmp/kog_mg_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -68,8 +69,9 @@ PY
 ids) run ids 150 $PY -m pytest -v -s -m gpu tests/test_cuda_multirank.py -k "ids_equal and 2" ;;
 kccl) for n in $NS; do [ "$n" -gt 1 ] && run kccl_n$n 90 $MPI -n $n $PY -m kccl.bench --transport cuda_ipc --iters 2000 --warmup 200; done
       grep -h "ranks on\|kernel allreduce \|post/collect (delta=2) pair\|host allreduce\|NCCL" "$OUT"/kccl_n*.log | tee -a "$OUT/summary.txt" ;;
-bench) for n in $NS; do run bench_n$n 120 $MPI -n $n $PY tests/bench_multirank.py ${BENCH_TOKENS:-512}; done
-       grep -h BENCH "$OUT"/bench_n*.log | tee -a "$OUT/summary.txt" ;;
+bench) for n in $NS; do run bench_n$n 120 $MPI -n $n $PY tests/bench_multirank.py ${BENCH_TOKENS:-512} ${BENCH_PROFILE:+profile}; done
+       grep -h BENCH "$OUT"/bench_n*.log | tee -a "$OUT/summary.txt"
+       grep -h -A8 PROFILE "$OUT"/bench_n*.log >>"$OUT/summary.txt" ;;
 *) log "unknown step $step" ;;
 esac; done
 log "done in ${SECONDS}s"
