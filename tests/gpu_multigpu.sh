@@ -22,12 +22,7 @@ NS=${NS:-$(for n in 1 2 4 8; do [ "$n" -le "${G:-1}" ] && echo -n "$n "; done)}
 STEPS=${STEPS:-"info topo build ids kccl bench"}
 DEADLINE=${DEADLINE:-420}
 K="$PY -m kog_dist.cli"
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
-run() { local name=$1 t=$2; shift 2; local l=$((DEADLINE - SECONDS - 10))
-        if [ "$l" -lt 10 ]; then log "$name skipped: past the ${DEADLINE} s deadline"; return 124; fi
-        [ "$t" -gt "$l" ] && t=$l
-        local s=$SECONDS; timeout -k 5 "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-        log "$name rc=$rc $((SECONDS - s))s (limit ${t}s)"; tail -n 25 "$OUT/$name.log" >>"$OUT/summary.txt"; return $rc; }
+. "$(dirname "$0")/gpu_steps.sh"   # log, left, run
 log "GPUs: $G, N: $NS"
 for step in $STEPS; do case $step in
 info) { date -u; nvidia-smi; nvidia-smi topo -m; $PY -c "import cupy, mpi4py; print('cupy', cupy.__version__, 'mpi4py', mpi4py.__version__)"; $KCCL_MPIEXEC --version; } >"$OUT/info.log" 2>&1

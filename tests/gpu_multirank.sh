@@ -34,14 +34,8 @@ STEPS=${STEPS:-"info mps build ids serve kccl8 kill bench"}
 DEADLINE=${DEADLINE:-300}
 SM=${SERVE_MODEL:-/tmp/kog_mr_serve_model}     # the serve step's checkpoint (tiny, fp32, 8 lanes)
 K="$PY -m kog_dist.cli"
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
-left() { echo $((DEADLINE - SECONDS - 10)); }
-# run NAME SECONDS CMD...: bounded by SECONDS and by what is left of DEADLINE; log in $OUT/NAME.log
-run() { local name=$1 t=$2; shift 2; local l; l=$(left)
-        if [ "$l" -lt 10 ]; then log "$name skipped: past the ${DEADLINE} s deadline"; return 124; fi
-        [ "$t" -gt "$l" ] && t=$l
-        local s=$SECONDS; timeout -k 5 "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-        log "$name rc=$rc $((SECONDS - s))s (limit ${t}s)"; tail -n 30 "$OUT/$name.log" >>"$OUT/summary.txt"; return $rc; }
+STEP_TAIL=30
+. "$(dirname "$0")/gpu_steps.sh"   # log, left, run
 serve_model() {
   [ -f "$SM/config.json" ] || timeout 60 $K checkpoint tiny "$SM" --lanes 8 --layers 4 --heads 16 --kv-heads 8 \
       --hidden 256 --ffn 512 --delay 2 --window 16 --window-layers 2 --dtype f32 --seed 3

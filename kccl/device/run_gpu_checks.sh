@@ -17,13 +17,8 @@ PY=$(command -v python3)
 MPI="$KCCL_MPIEXEC --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED"
 STEPS=${STEPS:-"info mps compile smoke gpu stress8 bench faults"}
 DEADLINE=${DEADLINE:-200}
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
-# run NAME SECONDS CMD...: bounded by SECONDS and by what is left of DEADLINE
-run() { local name=$1 t=$2; shift 2; local left=$((DEADLINE - SECONDS - 5))
-        if [ "$left" -lt 10 ]; then log "$name skipped: past the ${DEADLINE} s deadline"; return 124; fi
-        [ "$t" -gt "$left" ] && t=$left
-        local s=$SECONDS; timeout -k 5 "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-        log "$name rc=$rc $((SECONDS - s))s (limit ${t}s)"; tail -n 25 "$OUT/$name.log" >>"$OUT/summary.txt"; return $rc; }
+STEP_MARGIN=5
+. "$(dirname "$0")/../../tests/gpu_steps.sh"   # log, left, run
 SMOKE="
 import numpy as np, cupy as cp
 from mpi4py import MPI
