@@ -122,18 +122,18 @@ class Kernels:
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True,
           extra: dict | None = None, nranks: int = 1) -> Kernels:
     """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_NR_WO, CFG_UB_QKV, CFG_UB_WO,
-    CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_BULK, CFG_PF_ATT); the defaults are what the backend uses. nranks > 1: the kernel of one rank of the
-    multi-rank backend (cfg: the model's config; nblocks: given by the backend)."""
+    CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_BULK, CFG_PF_ATT); the defaults are what the backend uses.
+    nranks > 1: the kernel of one rank of the multi-rank backend (cfg: the model's config; nblocks: given
+    by the backend)."""
     import cupy as cp
+    shape = cfg
     if nranks > 1:
         from .multirank import RankView, check
         check(cfg, nranks)
-        check_shape(RankView(cfg, 0, nranks), dtype)
-    else:
-        check_shape(cfg, dtype)
+        shape = RankView(cfg, 0, nranks)
     if nblocks is None:
         nblocks = default_blocks(cfg, cp.cuda.Device().attributes["MultiProcessorCount"])
-    check_shape(RankView(cfg, 0, nranks) if nranks > 1 else cfg, dtype, nblocks)
+    check_shape(shape, dtype, nblocks)
     defs = defines(cfg, dtype, nblocks, prefetch, extra, nranks)
     key = tuple(sorted(defs.items()))
     if key in _cache:
