@@ -253,6 +253,54 @@ __device__ __forceinline__ bool kccl_post(const KcclDev& d, int c, kccl_u64 e, c
   return true;
 }
 
+// ---- LL words: the low-latency path (no fence, no counter, no flag) ---------------------------------
+// A payload word travels with its epoch: one 8-byte store {value bits (low 32), tag = (u32)epoch (high
+// 32)} straight into the reader's window, and the reader polls the word itself. Aligned 8-byte stores
+// and loads are single-copy atomic (also over NVLink: NCCL's LL protocol rests on the same rule), so a
+// reader that sees the tag sees the value. The slot of (c, src, e) is the same ring slot as above; it
+// holds payload_bytes / 8 words. There are no acks: the caller must know from its own data dependencies
+// that every reader is past epoch e - depth[c] before it writes epoch e (the monokernel:
+// depth >= 2 * delta + 2, docs/kccl-gpu.md; an all-reduce per round: depth >= 2). Epochs start at 1 and
+// slots are zeroed at create, so a word never written carries tag 0 and never matches.
+__device__ __forceinline__ kccl_u64* kccl_ll_words(const KcclDev& d, int dst, int c, int src, kccl_u64 e) {
+  return (kccl_u64*)(kccl_slot_meta(d, dst, c, src, e) + KCCL_META_BYTES);
+}
+__device__ __forceinline__ void kccl_ll_st(kccl_u64* p, unsigned tag, unsigned v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(((kccl_u64)tag << 32) | v) : "memory");
+}
+__device__ __forceinline__ kccl_u64 kccl_ll_ld(const kccl_u64* p) {
+  kccl_u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// slow path of kccl_ll_get: poll until the tag shows; bounded like kccl_spin_ge (0 after a failure)
+static __device__ __noinline__ unsigned kccl_ll_spin(const KcclDev& d, const kccl_u64* p, unsigned tag, int peer,
+                                                     int c) {
+  if (kccl_failed(d)) return 0u;
+  const kccl_u64 t0 = kccl_gtimer();
+  for (unsigned it = 1;; ++it) {
+    const kccl_u64 v = kccl_ll_ld(p);
+    if ((unsigned)(v >> 32) == tag) return (unsigned)v;
+    if ((it & 1023u) == 0) {
+      if (d.abort && *(volatile const int*)d.abort) {
+        kccl_fail(d, KCCL_ERR_ABORTED, peer, c, tag, v >> 32);
+        return 0u;
+      }
+      if (kccl_failed(d)) return 0u;
+      if (kccl_gtimer() - t0 > (kccl_u64)d.timeout_ns) {
+        kccl_fail(d, KCCL_ERR_TIMEOUT_FLAG, peer, c, tag, v >> 32);
+        return 0u;
+      }
+    }
+  }
+}
+// (one thread) the value bits of word *p once it carries `tag`; src: the rank that writes it
+__device__ __forceinline__ unsigned kccl_ll_get(const KcclDev& d, const kccl_u64* p, unsigned tag, int src, int c) {
+  const kccl_u64 v = kccl_ll_ld(p);
+  if ((unsigned)(v >> 32) == tag) return (unsigned)v;
+  return kccl_ll_spin(d, p, tag, src, c);
+}
+
 // ---- wait / read / ack ---------------------------------------------------------------------------
 // Block-wide: until every rank in [r0, r1) published epoch e of channel c (default: all ranks).
 __device__ __forceinline__ bool kccl_wait(const KcclDev& d, int c, kccl_u64 e, int r0 = 0, int r1 = -1) {
