@@ -273,32 +273,32 @@ __device__ __forceinline__ kccl_u64 kccl_ll_ld(const kccl_u64* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// slow path of kccl_ll_get: poll until the tag shows; bounded like kccl_spin_ge (0 after a failure)
-static __device__ __noinline__ unsigned kccl_ll_spin(const KcclDev& d, const kccl_u64* p, unsigned tag, int peer,
-                                                     int c) {
+// (rare) why a poll of an LL word gives up: 0 = keep polling; else the wait failed (recorded)
+static __device__ __noinline__ int kccl_ll_giveup(const KcclDev& d, kccl_u64 t0, kccl_u64 seen, unsigned tag,
+                                                  int src, int c) {
+  if (kccl_failed(d)) return 1;
+  if (d.abort && *(volatile const int*)d.abort) {
+    kccl_fail(d, KCCL_ERR_ABORTED, src, c, tag, seen >> 32);
+    return 1;
+  }
+  if (kccl_gtimer() - t0 > (kccl_u64)d.timeout_ns) {
+    kccl_fail(d, KCCL_ERR_TIMEOUT_FLAG, src, c, tag, seen >> 32);
+    return 1;
+  }
+  return 0;
+}
+// (one thread) the value bits of word *p once it carries `tag`; src: the rank that writes it. Bounded
+// like kccl_spin_ge: 0 after a timeout, an abort or another failure of this rank (kccl_failed).
+__device__ __forceinline__ unsigned kccl_ll_get(const KcclDev& d, const kccl_u64* p, unsigned tag, int src, int c) {
+  kccl_u64 v = kccl_ll_ld(p);
+  if ((unsigned)(v >> 32) == tag) return (unsigned)v;
   if (kccl_failed(d)) return 0u;
   const kccl_u64 t0 = kccl_gtimer();
   for (unsigned it = 1;; ++it) {
-    const kccl_u64 v = kccl_ll_ld(p);
+    v = kccl_ll_ld(p);
     if ((unsigned)(v >> 32) == tag) return (unsigned)v;
-    if ((it & 1023u) == 0) {
-      if (d.abort && *(volatile const int*)d.abort) {
-        kccl_fail(d, KCCL_ERR_ABORTED, peer, c, tag, v >> 32);
-        return 0u;
-      }
-      if (kccl_failed(d)) return 0u;
-      if (kccl_gtimer() - t0 > (kccl_u64)d.timeout_ns) {
-        kccl_fail(d, KCCL_ERR_TIMEOUT_FLAG, peer, c, tag, v >> 32);
-        return 0u;
-      }
-    }
+    if ((it & 1023u) == 0 && kccl_ll_giveup(d, t0, v, tag, src, c)) return 0u;
   }
-}
-// (one thread) the value bits of word *p once it carries `tag`; src: the rank that writes it
-__device__ __forceinline__ unsigned kccl_ll_get(const KcclDev& d, const kccl_u64* p, unsigned tag, int src, int c) {
-  const kccl_u64 v = kccl_ll_ld(p);
-  if ((unsigned)(v >> 32) == tag) return (unsigned)v;
-  return kccl_ll_spin(d, p, tag, src, c);
 }
 
 // ---- wait / read / ack ---------------------------------------------------------------------------

@@ -84,6 +84,11 @@ class CudaBackend(Backend):
                                  "(multirank.comm_kwargs)")
             full = cfg or (weights.cfg.full if weights is not None else load_config(model_dir))
             check(full, self.nranks)
+            from .multirank import depth, max_floats
+            if comm.depth != depth(full) or comm.max_floats < max_floats(full, self.nranks):
+                raise ValueError(f"the cuda_ipc communicator has depth {comm.depth} and {comm.max_floats} "
+                                 f"floats a slot; this model needs depth {depth(full)} and at least "
+                                 f"{max_floats(full, self.nranks)} (create it with multirank.comm_kwargs)")
             view = RankView(full, comm.rank, self.nranks)
             if lanes is not None and tuple(lanes) != tuple(view.lanes):
                 raise ValueError(f"rank {comm.rank}: lanes {lanes} differ from the cuda backend's {view.lanes}")

@@ -149,10 +149,17 @@ __device__ __forceinline__ void tmark(const Params& p, int n, int ph, int k) {
 #if KOG_NRANKS > 1
 // ---- exchanges between ranks (kccl.cuh; docs/monokernel.md "multi-rank") ------------------------
 // Channels (CudaCommunicator tags in create order): 1 "attn" (kind 0), 2 "mlp" (kind 1), 3 "final".
-// A posted layer's payload is this rank's lanes' partials [L][D] fp32 (its slice of p.part), so a
-// reader sums all LG lanes in lane order from the slots: the same bits as the one-rank kernel.
+// A posted layer's partials travel as LL words (kccl.cuh): the thread that computes row r of own lane
+// l stores {value, epoch tag} straight into that row's word in every peer's window, and a reader polls
+// the words of the rows it needs: no fence, counter, flag or ack on the per-layer path. Own lanes are
+// read from p.part after their counters, as with one rank, and a reader sums all LG lanes in lane
+// order: the same bits as the one-rank kernel. Slot reuse needs no ack because a rank's post of
+// epoch e implies every reader is past epoch e - MR_DEPTH (MR_DEPTH >= 2 * DELTA + 2; the argument is
+// in docs/monokernel.md "multi-rank"). The final rows keep kccl's flag protocol (one post a token).
 // Epoch of (kind, token n, layer i): e0[kind] + n * NPOST + mr_index(i); of the final rows: e0[2] + n.
 // workers/cuda/multirank.py computes the same schedule on the host (and tests it).
+constexpr int MR_DEPTH = CFG_MR_DEPTH;   // ring slots of every channel (multirank.depth)
+static_assert(MR_DEPTH >= 2 * DELTA + 2, "multi-rank: LL slots need a ring of 2 * delta + 2");
 __shared__ KcclDev kds;          // this rank's KcclDev, copied at launch
 __shared__ int mr_flag_s, mr_cancel_s, mr_n_s;
 enum { CH_FIN = 3 };
@@ -198,18 +205,40 @@ __device__ __forceinline__ bool mr_bail() {
   __syncthreads();
   return mr_flag_s != 0;
 }
-// rank 0's payload of epoch e on channel c in this rank's window; rank q's is q * stride bytes further
-__device__ __forceinline__ const char* mr_slot0(int c, u64 e, long long& stride) {
-  const char* p0 = kccl_slot(kds, c, 0, e);
-  stride = kccl_slot(kds, c, 1, e) - p0;
-  return p0;
+// byte offset of src's LL words of (channel c, epoch e) in any rank's window
+__device__ __forceinline__ long long mr_ll_off(int c, int src, u64 e) {
+  return kds.slot_off[c] + ((long long)src * MR_DEPTH + (long long)(e % (u64)MR_DEPTH)) * kds.slot_bytes + KCCL_META_BYTES;
 }
-// sum over all LG lanes (lane order) of the partials of an epoch (slot0/stride: mr_slot0), element r;
-// own: lane g's value
-__device__ __forceinline__ float mr_lane_sum(const char* p0, long long stride, int r, int g, float* own) {
-  float P[LG];
+// a producer's row r of own lane l, value v: into every peer's window (off: mr_ll_off(c, rank, e))
+__device__ __forceinline__ void mr_put(long long off, unsigned tag, int l, int r, float v) {
 #pragma unroll
-  for (int j = 0; j < LG; ++j) P[j] = __ldcg((const float*)(p0 + (j / L) * stride) + (j % L) * D + r);
+  for (int q = 0; q < NRK; ++q)
+    if (q != (int)kds.rank) kccl_ll_st((u64*)(kds.base[q] + off) + (long long)l * D + r, tag, __float_as_uint(v));
+}
+// The partials of one posted (layer, kind) as a reader sees them: own lanes in p.part, the others'
+// LL words in this rank's window.
+struct MrPart {
+  const float* own;     // p.part of the layer and kind: [L][D]
+  const char* ll;       // this rank's window + mr_ll_off(c, 0, e): source q's words at q * stride
+  long long stride;
+  unsigned tag;
+  int c;
+};
+__device__ __forceinline__ MrPart mr_part(const Params& p, int kind, int n, int i) {
+  const u64 e = mr_epoch(p, kind, n, i);
+  return MrPart{p.part + (long long)(i * 2 + kind) * L * D, kds.base[kds.rank] + mr_ll_off(1 + kind, 0, e),
+                (long long)MR_DEPTH * kds.slot_bytes, (unsigned)e, 1 + kind};
+}
+// sum over all LG lanes (lane order) of element r; own: lane g's value
+__device__ __noinline__ float mr_lane_sum(const MrPart& m, int r, int g, float* own) {
+  float P[LG];
+  const int me = (int)kds.rank;
+#pragma unroll
+  for (int j = 0; j < LG; ++j) {
+    const int q = j / L;
+    P[j] = q == me ? ldf(m.own + (j % L) * D + r)
+                   : __uint_as_float(kccl_ll_get(kds, (const u64*)(m.ll + q * m.stride) + (j % L) * D + r, m.tag, q, m.c));
+  }
   float tot = P[0], o = P[0];
 #pragma unroll
   for (int j = 1; j < LG; ++j) {
@@ -327,9 +356,7 @@ __device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int 
   if (fused_step(s)) return hbase(p, s, l, d, tok);
   const int i = (s - 1) / 2, kind = (s - 1) & 1;
 #if KOG_NRANKS > 1
-  long long st;
-  const char* p0 = mr_slot0(1 + kind, mr_epoch(p, kind, mr_n_s, i), st);
-  const float tot = mr_lane_sum(p0, st, d, 0, nullptr);
+  const float tot = mr_lane_sum(mr_part(p, kind, mr_n_s, i), d, 0, nullptr);
 #else
   const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D + d;
   float tot = ldf(pp);
@@ -470,8 +497,7 @@ __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int u
   if (!fused_step(s)) return;
   const int n = (ub - ua) * nr;
 #if KOG_NRANKS > 1
-  long long mr_st = 0;
-  const char* mr_p0 = has_delayed(i) ? mr_slot0(1 + kind, mr_epoch(p, kind, mr_n_s, i - DELTA), mr_st) : nullptr;
+  const MrPart mr = mr_part(p, kind, mr_n_s, has_delayed(i) ? i - DELTA : i);
 #endif
   for (int x = threadIdx.x; x < n; x += NT) {
     const int u = ua + x / nr, l = u / upl, r = (u % upl) * nr + x % nr;
@@ -480,7 +506,7 @@ __device__ void stage_combine(const Params& p, float* cb, int i, int kind, int u
     if (has_delayed(i)) {
 #if KOG_NRANKS > 1
       float own;
-      const float tot = mr_lane_sum(mr_p0, mr_st, r, (int)kds.rank * L + l, &own);
+      const float tot = mr_lane_sum(mr, r, (int)kds.rank * L + l, &own);
       dt = tot - own;
 #else
       const float* pp = p.part + ((long long)((i - DELTA) * 2 + kind) * L) * D + r;
@@ -534,47 +560,10 @@ __device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, i
 // the delayed partials of layer i - DELTA must be complete before a producer of layer i combines
 __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl, int n, int i) {
   if (USE_COMM && LG > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE))
-#if KOG_NRANKS > 1
-    return;   // the kccl wait of the layer's epoch (mr_delayed_wait) replaces the lanes' counters
-#else
-    wait_lanes(p, phase, 0, L - 1, (u64)(n * NL + i - DELTA + 1) * upl);
-#endif
+    wait_lanes(p, phase, 0, L - 1, (u64)(n * NL + i - DELTA + 1) * upl);   // own lanes (others: LL words)
 }
 
 #if KOG_NRANKS > 1
-// producers of (layer i, kind): the slot of this epoch is free (before the math); block-uniform
-__device__ __forceinline__ bool mr_post_begin(const Params& p, int kind, int n, int i) {
-  if (!mr_posted(i)) return false;
-  return kccl_post_begin(kds, 1 + kind, mr_epoch(p, kind, n, i));
-}
-// after the block's rows of p.part are written and a barrier: its units [ua, ub) (NRU rows each) are
-// the contiguous floats [ua*NRU, ub*NRU) of the rank's [L][D] slice; copied to every rank's slot
-template <int NRU, int U>
-__device__ __forceinline__ void mr_post_rows(const Params& p, int kind, int n, int i, int ua, int ub, bool ok) {
-  if (!mr_posted(i) || !ok) return;
-  const u64 e = mr_epoch(p, kind, n, i);
-  const float* src = p.part + (long long)(i * 2 + kind) * L * D;
-  kccl_post_chunk(kds, 1 + kind, e, src, (long long)ua * NRU * 4, (long long)(ub - ua) * NRU * 4);
-  constexpr int NPOSTERS = nposters(U);
-  kccl_post_end(kds, 1 + kind, e, NPOSTERS, 4LL * L * D, 1 + kind);
-}
-// the delayed term of a producer of layer i reads layer i - DELTA's epoch: every block waits for it
-// and acks it (its last read)
-__device__ __forceinline__ void mr_delayed_wait(const Params& p, int kind, int n, int i) {
-  if (has_delayed(i)) kccl_wait(kds, 1 + kind, mr_epoch(p, kind, n, i - DELTA));
-}
-__device__ __forceinline__ void mr_delayed_end(const Params& p, int kind, int n, int i) {
-  if (has_delayed(i)) kccl_collect_end(kds, 1 + kind, mr_epoch(p, kind, n, i - DELTA), NB);
-}
-// the early all-reduce of residual version s (layer (s-1)/2, kind (s-1)&1), read by its consumer phase
-// (QKV of the next layer, W13 of the same): every block waits; acked here unless read again later
-__device__ __forceinline__ void mr_early_wait(const Params& p, int n, int s) {
-  if (!fused_step(s)) kccl_wait(kds, 1 + ((s - 1) & 1), mr_epoch(p, (s - 1) & 1, n, (s - 1) / 2));
-}
-__device__ __forceinline__ void mr_early_end(const Params& p, int n, int s) {
-  if (!fused_step(s) && !mr_read_later((s - 1) / 2))
-    kccl_collect_end(kds, 1 + ((s - 1) & 1), mr_epoch(p, (s - 1) & 1, n, (s - 1) / 2), NB);
-}
 // the final norm's lane mean over every rank: block 0 posts the rank's normed rows (written straight
 // into p.yfin) and the host's cancel word; every block sums the LG rows in lane order into y
 __device__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y);
@@ -591,8 +580,8 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
     }
   }
   kccl_wait(kds, CH_FIN, e);
-  long long st;
-  const char* p0 = mr_slot0(CH_FIN, e, st);
+  const char* p0 = kccl_slot(kds, CH_FIN, 0, e);                 // rank q's rows: q * st further
+  const long long st = (long long)MR_DEPTH * kds.slot_bytes;
   for (int d = threadIdx.x; d < D; d += NT) {
     float a = __ldcg((const float*)p0 + d);
     for (int j = 1; j < LG; ++j) a += __ldcg((const float*)(p0 + (j / L) * st) + (j % L) * D + d);
@@ -617,9 +606,6 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
   if (!prefilled)
     prefetch_l2(W + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV * sizeof(wt), PF);
-#if KOG_NRANKS > 1
-  if (ua >= ub) { mr_early_wait(p, n, 2 * i); mr_early_end(p, n, 2 * i); return; }
-#endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
@@ -630,16 +616,10 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
   }
   __syncthreads();
-#if KOG_NRANKS > 1
-  mr_early_wait(p, n, s);
-#endif
   tmark(p, n, ph, 1);
   cp_async_wait_all();
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
               writer_mask(l0, l1, UPL_QKV, ua, ub), red);
-#if KOG_NRANKS > 1
-  mr_early_end(p, n, s);
-#endif
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
@@ -817,8 +797,8 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
 #if KOG_NRANKS > 1
-  if (ua >= ub) { mr_delayed_wait(p, 0, n, i); mr_delayed_end(p, 0, n, i); return; }
-  const bool mr_ok = mr_post_begin(p, 0, n, i);
+  const long long mr_off = mr_posted(i) ? mr_ll_off(1 + 0, (int)kds.rank, mr_epoch(p, 0, n, i)) : -1;
+  const unsigned mr_tag = (unsigned)mr_epoch(p, 0, n, i);
 #endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
@@ -831,13 +811,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     }
   }
   __syncthreads();
-#if KOG_NRANKS > 1
-  mr_delayed_wait(p, 0, n, i);
-#endif
   stage_combine(p, cb, i, 0, ua, ub, NR_WO, UPL_WO, tok);
-#if KOG_NRANKS > 1
-  mr_delayed_end(p, 0, n, i);
-#endif
   if (threadIdx.x == 0) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
   __syncthreads();
   tmark(p, n, ph, 1);
@@ -874,13 +848,15 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
       warp_dot<NR_WO, HDL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_WO, NR_WO, sm + (l - l0) * HDL, acc);
     else
       warp_dot<NR_WO, HDL, false, CFG_UB_WO>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
-    if (lane < NR_WO)
-      combine_finish(p, i, 0, l, r0 + lane, pick(acc, NR_WO, lane), cb + 2 * ((u - ua) * NR_WO + lane));
+    if (lane < NR_WO) {
+      const float pv = pick(acc, NR_WO, lane);
+      combine_finish(p, i, 0, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR_WO + lane));
+#if KOG_NRANKS > 1
+      if (mr_off >= 0) mr_put(mr_off, mr_tag, l, r0 + lane, pv);
+#endif
+    }
   }
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
-#if KOG_NRANKS > 1
-  mr_post_rows<NR_WO, U_WO>(p, 0, n, i, ua, ub, mr_ok);
-#endif
   tmark(p, n, ph, 2);
 }
 
@@ -892,9 +868,6 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
-#if KOG_NRANKS > 1
-  if (ua >= ub) { mr_early_wait(p, n, 2 * i + 1); mr_early_end(p, n, 2 * i + 1); return; }
-#endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
@@ -905,16 +878,10 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     else wait_lanes(p, C_WO, 0, L - 1, tgt);
   }
   __syncthreads();
-#if KOG_NRANKS > 1
-  mr_early_wait(p, n, s);
-#endif
   tmark(p, n, ph, 1);
   cp_async_wait_all();
   stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
               writer_mask(l0, l1, UPL_W13, ua, ub), red);
-#if KOG_NRANKS > 1
-  mr_early_end(p, n, s);
-#endif
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
@@ -936,8 +903,8 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
 #if KOG_NRANKS > 1
-  if (ua >= ub) { mr_delayed_wait(p, 1, n, i); mr_delayed_end(p, 1, n, i); return; }
-  const bool mr_ok = mr_post_begin(p, 1, n, i);
+  const long long mr_off = mr_posted(i) ? mr_ll_off(1 + 1, (int)kds.rank, mr_epoch(p, 1, n, i)) : -1;
+  const unsigned mr_tag = (unsigned)mr_epoch(p, 1, n, i);
 #endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
@@ -949,13 +916,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
     else wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   }
   __syncthreads();
-#if KOG_NRANKS > 1
-  mr_delayed_wait(p, 1, n, i);
-#endif
   stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
-#if KOG_NRANKS > 1
-  mr_delayed_end(p, 1, n, i);
-#endif
   if (threadIdx.x == 0) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   __syncthreads();
   tmark(p, n, ph, 1);
@@ -971,13 +932,15 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
       warp_dot<NR_W2, FL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W2, NR_W2, sm + (l - l0) * FL, acc);
     else
       warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
-    if (lane < NR_W2)
-      combine_finish(p, i, 1, l, r0 + lane, pick(acc, NR_W2, lane), cb + 2 * ((u - ua) * NR_W2 + lane));
+    if (lane < NR_W2) {
+      const float pv = pick(acc, NR_W2, lane);
+      combine_finish(p, i, 1, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR_W2 + lane));
+#if KOG_NRANKS > 1
+      if (mr_off >= 0) mr_put(mr_off, mr_tag, l, r0 + lane, pv);
+#endif
+    }
   }
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
-#if KOG_NRANKS > 1
-  mr_post_rows<NR_W2, U_W2>(p, 1, n, i, ua, ub, mr_ok);
-#endif
   tmark(p, n, ph, 2);
 }
 

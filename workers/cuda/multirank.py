@@ -58,7 +58,7 @@ def defines(cfg, nranks: int) -> dict:
         return {}
     return {"CFG_L": cfg.num_lanes // nranks, "CFG_H": cfg.num_attention_heads // nranks,
             "CFG_KV": cfg.kv_heads // nranks, "CFG_F": cfg.intermediate_size // nranks,
-            "CFG_LG": cfg.num_lanes, "KOG_NRANKS": nranks}
+            "CFG_LG": cfg.num_lanes, "KOG_NRANKS": nranks, "CFG_MR_DEPTH": depth(cfg)}
 
 
 def blocks_per_rank(cfg, sms: int, ranks_on_device: int) -> int:
@@ -112,24 +112,13 @@ def schedule(cfg, e0: int = 1, tokens: int = 1):
     return out
 
 
-def max_in_flight(cfg) -> int:
-    """Most epochs of one tag a rank holds posted and not yet acked when it posts the next one (a
-    producer phase posts before it acks the delayed epoch it reads; an early-only epoch counts as
-    acked one layer later): the ring depth must be at least this."""
-    NL, d = cfg.num_hidden_layers, cfg.broadcast_delay
-    ev = []
-    for n, i, _, reads, ack in schedule(cfg, 1, 3):
-        g = n * NL + i
-        ev.append((g, g + (ack - i if ack is not None and ack > i else 1)))
-    best = 0
-    for gp, _ in ev:
-        best = max(best, sum(1 for gf, ga in ev if gf <= gp and ga >= gp))
-    return best
-
-
 def depth(cfg) -> int:
-    """Ring depth of every tag: delta + 2 (delta + 1 needed, one more of slack; docs/kccl-gpu.md)."""
-    return max(cfg.broadcast_delay + 2, max_in_flight(cfg))
+    """Ring depth of every tag. The layers' partials travel as LL words with no acks (monokernel.cu): a
+    rank that posts epoch e of a tag has read, in the block that posts, the rows of layer e - delta from
+    every rank, so the blocks owning those rows are in that layer and every lane of every rank is done
+    through the layer before it, reads of layer e - 2*delta - 1 included. A ring of 2*delta + 2 leaves
+    one layer of margin (docs/monokernel.md "multi-rank"; the CPU tests check it on a model)."""
+    return 2 * cfg.broadcast_delay + 2
 
 
 def final_floats(cfg, nranks: int) -> int:
@@ -137,9 +126,15 @@ def final_floats(cfg, nranks: int) -> int:
     return (cfg.num_lanes // nranks) * cfg.hidden_size + 4
 
 
+def ll_floats(cfg, nranks: int) -> int:
+    """A posted layer as LL words: the rank's partials [L/N][D], 8 bytes (2 floats of slot) each."""
+    return 2 * (cfg.num_lanes // nranks) * cfg.hidden_size
+
+
 def max_floats(cfg, nranks: int) -> int:
-    """Slot capacity for CudaCommunicator.create: the final payload, and the prefill gathers' pieces."""
-    return max(final_floats(cfg, nranks), PREFILL_FLOATS)
+    """Slot capacity for CudaCommunicator.create: a layer's LL words, the final payload, and the prefill
+    gathers' pieces."""
+    return max(ll_floats(cfg, nranks), final_floats(cfg, nranks), PREFILL_FLOATS)
 
 
 def comm_kwargs(cfg, nranks: int, timeout: float = 30.0) -> dict:
