@@ -189,14 +189,16 @@ static_assert(NL > DELTA || !USE_COMM || !USE_EARLY, "multi-rank: the last layer
 __device__ __forceinline__ u64 mr_epoch(const Params& p, int kind, int n, int i) {
   return (u64)(p.e0[kind] + (long long)n * NPOST + mr_index(i));
 }
-// this rank failed a kccl wait, or the host saw a peer die
-__device__ __forceinline__ bool mr_dead() {
-  return kccl_failed(kds) || (kds.abort && *(volatile const int*)kds.abort);
-}
+// this rank failed a kccl wait (device memory: cheap). The host's abort word (a peer died) is
+// host-mapped, a PCIe read: only the spins look at it, and they record it here (kccl_fail)
+__device__ __forceinline__ bool mr_dead() { return kccl_failed(kds); }
 // the monokernel's own counters, polled so that the grid leaves once the rank failed
 __device__ __forceinline__ void spin_mr(const u64* ptr, u64 target) {
   for (unsigned it = 1; ld_acquire(ptr) < target; ++it)
-    if ((it & 1023u) == 0 && mr_dead()) return;
+    if ((it & 1023u) == 0) {
+      if (kds.abort && *(volatile const int*)kds.abort) kccl_fail(kds, KCCL_ERR_ABORTED, -1, 0, 0, 0);
+      if (mr_dead()) return;
+    }
 }
 // block-uniform: leave the kernel?
 __device__ __forceinline__ bool mr_bail() {
