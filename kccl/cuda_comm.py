@@ -40,12 +40,13 @@ class CudaHandle:
 
 
 class _Chan:
-    __slots__ = ("id", "name", "depth", "send_epoch", "collected")
+    __slots__ = ("id", "name", "depth", "send_epoch", "collected", "ll")
 
     def __init__(self, cid, name, depth):
         self.id, self.name, self.depth = cid, name, depth
         self.send_epoch = 0
         self.collected = 0
+        self.ll = None  # protocol of the host calls so far: None (none yet), False (flag), True (LL words)
 
 
 class _Closer:
@@ -154,6 +155,7 @@ class CudaCore:
         self._mod = _module()
         self._k_op = self._mod.get_function("kccl_op")
         self._k_rounds = self._mod.get_function("kccl_test_rounds")
+        self._k_ll_rounds = self._mod.get_function("kccl_test_ll_rounds")
         self._k_peek = self._mod.get_function("kccl_peek")
         self._error = None
         self.closed = False
@@ -211,6 +213,7 @@ class CudaCore:
             raise KcclError(f"post({tag!r}): {ch.depth} posts are not collected yet; collect the oldest "
                             "before posting again (raise depth for a longer delay)")
         x = self._payload(x, (cp.float32, cp.float16))
+        self._protocol(ch, False)
         self._run(ch, OP_POST, M_POST, 0, x, x.nbytes, None, 0, 0, 0, f"post {tag!r}")
         return CudaHandle(tag, ch.id, ch.send_epoch, x.shape, x.dtype)
 
@@ -264,9 +267,14 @@ class CudaCore:
         return v[:self.size], v[self.size:]
 
     def run_rounds(self, tag: str, inputs, rounds: int, *, delta: int = 0, out_rounds: int = 1,
-                   nblocks: int = 1, max_delay_ns: int = 0, seed: int = 0):
+                   nblocks: int = 1, max_delay_ns: int = 0, seed: int = 0, ll: bool = False):
         """Run the persistent test kernel: `rounds` posts of fp16 inputs[s % len(inputs)] on `tag`,
         each collected `delta` steps later (0: all-reduce per round) into out[r % out_rounds] (fp32).
+
+        ll=True: kccl_test_ll_rounds, an all-reduce per round through LL words (no fence, flag or ack;
+        delta 0, n even, depth >= 2, n / 2 words of 8 bytes in a slot; every rank must pass the same
+        nblocks). A tag run with ll=True carries LL words only: the flag protocol (post, run_rounds
+        without ll) is refused on it, and the other way round.
 
         Returns (out [out_rounds, n] float32 device array, times [rounds, 6] uint64 numpy: globaltimer
         before post, after post, collect duration; clock64 before post, after post, collect cycles).
@@ -275,22 +283,29 @@ class CudaCore:
         ch = self._tag(tag)
         if ch.send_epoch != ch.collected:
             raise KcclError(f"run_rounds({tag!r}): collect pending posts first")
+        if ll and delta != 0:
+            raise ValueError(f"run_rounds(ll=True) is an all-reduce per round: delta must be 0, not {delta}")
         if delta + 1 > ch.depth:
             raise KcclError(f"run_rounds: delta {delta} needs depth >= {delta + 1} (tag has {ch.depth})")
         inputs = cp.ascontiguousarray(cp.asarray(inputs, dtype=cp.float16))
         if inputs.ndim != 2 or inputs.shape[1] * 2 > self.layout.payload_bytes:
             raise ValueError("inputs must be [k, n] fp16 with 2n <= the slot payload")
         n = inputs.shape[1]
+        if ll:
+            self._check_ll(ch, n)
+        self._protocol(ch, ll)
         out = cp.zeros((out_rounds, n), dtype=cp.float32)
         times = cp.zeros((rounds, 6), dtype=cp.uint64)
         first = ch.send_epoch + 1
         self._check_usable()
-        self._k_rounds((nblocks,), (THREADS,),
-                       (np.uint64(self.dev_ptr), np.int32(ch.id), np.uint64(first), np.int32(rounds),
-                        np.int32(delta), inputs, np.int32(inputs.shape[0]), out, np.int32(out_rounds),
-                        np.int32(n), times, np.int64(max_delay_ns), np.uint64(seed)),
-                       stream=self._stream)
-        self._finish(f"persistent kernel on {tag!r} (epochs {first}..{first + rounds - 1})")
+        kernel = self._k_ll_rounds if ll else self._k_rounds
+        kernel((nblocks,), (THREADS,),
+               (np.uint64(self.dev_ptr), np.int32(ch.id), np.uint64(first), np.int32(rounds),
+                np.int32(delta), inputs, np.int32(inputs.shape[0]), out, np.int32(out_rounds),
+                np.int32(n), times, np.int64(max_delay_ns), np.uint64(seed)),
+               stream=self._stream)
+        what = "persistent LL kernel" if ll else "persistent kernel"
+        self._finish(f"{what} on {tag!r} (epochs {first}..{first + rounds - 1})")
         ch.send_epoch = ch.collected = first + rounds - 1
         return out, times.get()
 
@@ -402,6 +417,26 @@ class CudaCore:
             raise ValueError(f"payload of {x.nbytes} bytes exceeds the slot ({self.layout.payload_bytes} "
                              "bytes); raise max_floats at create() or split the payload")
         return x
+
+    def _check_ll(self, ch, n: int) -> None:
+        """run_rounds(ll=True)'s rules besides delta 0 (kccl_test.cu "LL all-reduce"), as ValueErrors."""
+        if ch.depth < 2:
+            raise ValueError(f"run_rounds(ll=True) needs depth >= 2 (no acks: ring safety comes from the "
+                             f"rounds); tag {ch.name!r} has {ch.depth}")
+        if n % 2:
+            raise ValueError(f"run_rounds(ll=True) packs two fp16 per LL word: n must be even, not {n}")
+        if n // 2 * 8 > self.layout.payload_bytes:
+            raise ValueError(f"run_rounds(ll=True): {n // 2} LL words of 8 bytes exceed the slot "
+                             f"({self.layout.payload_bytes} bytes); raise max_floats at create() to {n}")
+
+    def _protocol(self, ch, ll: bool) -> None:
+        """A tag carries LL words or the flag protocol, never both: after LL rounds nobody acked those
+        epochs (a flag post would wait for the acks until it times out), and a flag payload left in a
+        slot could pass for an LL word of a later epoch."""
+        if ch.ll is not None and ch.ll != ll:
+            used, now = ("LL words", "the flag protocol") if ch.ll else ("the flag protocol", "LL words")
+            raise KcclError(f"tag {ch.name!r} carried {used}; it cannot carry {now} too: use another tag")
+        ch.ll = ll
 
     def _check_out(self, out, x) -> None:
         if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:

@@ -2,7 +2,8 @@
 
 The fake gives "device" memory as plain host memory (ctypes buffers, so pointers are real addresses),
 IPC handles that encode the address (ranks are threads of this process), and a Python model of the
-kernels in kccl/device/kccl_ops.cu and kccl_test.cu (one block; the multi-block arrival logic is
+kernels in kccl/device/kccl_ops.cu and kccl_test.cu (the LL all-reduce included: words carry (tag,
+value), the reader polls the tag; one block; the multi-block arrival logic is
 covered by test_kccl_cuda.py's protocol model). Every launch is checked against the kernel's C
 signature (count and kind of each argument), so the host code's argument lists are tested too.
 What this checks: create (allocation, record exchange, opening, header check, votes), epochs of the
@@ -261,6 +262,32 @@ class Dev:
         for s in range(self.n):
             u64(self.ack(s, c, self.rank)).value = e
 
+    def ll_words(self, dst, c, src, e, count):
+        """kccl_ll_words: src's LL words of epoch e in dst's window, as uint64 (tag << 32 | value bits)."""
+        return np.ndarray((count,), np.uint64, buffer=(ctypes.c_char * (8 * count)).from_address(
+            self.meta(dst, c, src, e) + 64))
+
+    def ll_get(self, c, src, e, count):
+        """kccl_ll_get on every word of src's epoch e in this window: the value bits (uint32) once every
+        word carries tag (u32)e, bounded like spin_ge; None after a failure."""
+        tag, words = e & 0xFFFFFFFF, self.ll_words(self.rank, c, src, e, count)
+        t0 = time.monotonic_ns()
+        while True:
+            w = words.copy()
+            late = np.flatnonzero((w >> np.uint64(32)) != tag)
+            if not late.size:
+                return (w & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            seen = int(w[late[0]] >> np.uint64(32))
+            if i32(self.abort).value:
+                self.fail(K.ERR_ABORTED, src, c, tag, seen)
+                return None
+            if self.failed():
+                return None
+            if time.monotonic_ns() - t0 > self.timeout_ns:
+                self.fail(K.ERR_TIMEOUT_FLAG, src, c, tag, seen)
+                return None
+            time.sleep(1e-5)
+
 
 def k_op(args):
     dp, c, e, op, mode, root, src, send, dst, nbytes, dtype, expect = (
@@ -309,6 +336,38 @@ def k_rounds(args):
             out.a[r % out_rounds] = d.ranksum(c, e, np.float16, n)
             d.ack_all(c, e)
             times.a[r, 2] = time.monotonic_ns() - t
+
+
+def k_ll_rounds(args):
+    """kccl_test_ll_rounds (one block): per round, this rank's n/2 LL words (two fp16 in the low 32 bits,
+    tag = epoch in the high 32) into its slot of the epoch in every other rank's window, then the rank-
+    order fp32 sum of its own words (from the input) and the others' (from its own window, once their
+    tags show). No flag, no ack: the round structure keeps the ring safe (depth >= 2). Honours
+    max_delay_ns (a sleep before each post) so that the ranks interleave differently."""
+    dp, c, first, rounds, delta = _ptr(args[0]), int(args[1]), int(args[2]), int(args[3]), int(args[4])
+    inp, in_rounds, out, out_rounds, n, times = args[5], int(args[6]), args[7], int(args[8]), int(args[9]), args[10]
+    max_delay_ns, seed = int(args[11]), int(args[12])
+    d = Dev(dp)
+    assert delta == 0 and n % 2 == 0 and d.depth[c] >= 2, "run_rounds(ll=True) must refuse these"
+    rng = np.random.default_rng([seed, d.rank])
+    for s in range(rounds):
+        if max_delay_ns > 0:
+            time.sleep(int(rng.integers(max_delay_ns)) * 1e-9)
+        e, x = first + s, inp.a[s % in_rounds].view(np.uint32)
+        words = (np.uint64(e & 0xFFFFFFFF) << np.uint64(32)) | x
+        times.a[s, 0] = time.monotonic_ns()
+        for k in range(1, d.n):
+            d.ll_words((d.rank + k) % d.n, c, d.rank, e, n // 2)[:] = words
+        times.a[s, 1] = time.monotonic_ns()
+        acc = None
+        for src in range(d.n):
+            v = x if src == d.rank else d.ll_get(c, src, e, n // 2)
+            if v is None:
+                return
+            h = v.view(np.float16).astype(np.float32)  # little-endian: half 2i in the low 16 bits of word i
+            acc = h if src == 0 else acc + h
+        out.a[s % out_rounds] = acc
+        times.a[s, 2] = time.monotonic_ns() - times.a[s, 1]
 
 
 def k_peek(args):
@@ -380,7 +439,8 @@ class _Module:
         assert '#include "' not in code and "-std=c++17" in options
 
     def get_function(self, name):
-        return _Fn(name, {"kccl_op": k_op, "kccl_test_rounds": k_rounds, "kccl_peek": k_peek}[name])
+        return _Fn(name, {"kccl_op": k_op, "kccl_test_rounds": k_rounds, "kccl_test_ll_rounds": k_ll_rounds,
+                          "kccl_peek": k_peek}[name])
 
 
 def _fake_cupy():
@@ -491,6 +551,79 @@ def test_host_ops_end_to_end(fake_cupy, tmp_path, n):
     res, errs = _ranks(n, body, tmp_path)
     assert errs == [None] * n, errs
     assert res == [0] * n  # every opened peer mapping was closed
+
+
+def _ll_parts(q, rows, size):
+    """Rank q's fp16 inputs: random, with words of +0 (two +0 halves: the kernel's "0 or a failure?"
+    case) and -0 halves: in every rank (the rank-order sum is -0: it starts from rank 0's value, not
+    from +0) and in rank 0 only (+0)."""
+    x = np.random.default_rng([11, q]).standard_normal((rows, size)).astype(np.float16)
+    x[:, :4] = 0
+    x[:, 4:6] = -0.0
+    x[:, 6:8] = -0.0 if q == 0 else 0.0
+    return x
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ll_rounds_rank_order_sums(fake_cupy, tmp_path, n):
+    """run_rounds(ll=True): every round gives the rank-order fp32 sum bit for bit, on every rank, with
+    random delays and depth 2 (the least LL allows); a second launch continues the tag's epochs over
+    slots that still hold the first one's words; nothing writes a flag or an ack."""
+    size, rows = 64, 5  # max_floats = size (as in the bench): 256 bytes a slot, the 64 fp16 as 32 LL words
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=size, depth=2, tags=("ll",), timeout=5)
+        want = np.stack([_ranksum([_ll_parts(q, rows, size)[k] for q in range(n)]) for k in range(rows)])
+        for launch, nblocks in enumerate((1, 4)):
+            out, times = comm.run_rounds("ll", _ll_parts(r, rows, size), 30, out_rounds=30, nblocks=nblocks,
+                                         max_delay_ns=200_000, seed=launch, ll=True)
+            got = out.get()
+            assert got.shape == (30, size) and times.shape == (30, 6)
+            assert all(np.array_equal(got[i].view(np.uint32), want[i % rows].view(np.uint32))
+                       for i in range(30))
+            assert (times[:, 1] >= times[:, 0]).all()
+            assert comm.next_epoch("ll") == 30 * (launch + 1) + 1
+        assert comm.peek(1) == ([0] * n, [0] * n)
+        comm.shutdown()
+
+    _, errs = _ranks(n, body, tmp_path)
+    assert errs == [None] * n, errs
+
+
+def test_ll_rounds_refuses_bad_arguments(fake_cupy, tmp_path):
+    """The LL kernel's rules as one-line errors before anything is launched (epochs unchanged), and a
+    tag carries LL words or the flag protocol, never both."""
+    import cupy as cp
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=32, depth=3, tags=("ll", "t"), timeout=5)
+        ins = np.zeros((1, 32), np.float16)  # max_floats 32: 128 bytes a slot, 16 LL words
+        too_big = r"17 LL words of 8 bytes exceed the slot \(128 bytes\); raise max_floats at create\(\) to 34"
+        for x, delta, match in ((ins, 2, "delta must be 0, not 2"),
+                                (np.zeros((1, 31), np.float16), 0, "n must be even, not 31"),
+                                (np.zeros((1, 34), np.float16), 0, too_big)):
+            with pytest.raises(ValueError, match=match) as ei:
+                comm.run_rounds("ll", x, 4, delta=delta, ll=True)
+            assert "\n" not in str(ei.value)
+        assert comm.next_epoch("ll") == 1
+        comm.run_rounds("ll", ins, 4, ll=True)
+        with pytest.raises(KcclError, match="tag 'll' carried LL words; it cannot carry the flag protocol too"):
+            comm.post("ll", cp.zeros(4, cp.float32))
+        with pytest.raises(KcclError, match="cannot carry the flag protocol"):
+            comm.run_rounds("ll", ins, 4)
+        comm.collect(comm.post("t", cp.zeros(4, cp.float32)))
+        with pytest.raises(KcclError, match="tag 't' carried the flag protocol; it cannot carry LL words too"):
+            comm.run_rounds("t", ins, 4, ll=True)
+        assert comm.next_epoch("ll") == 5 and comm.next_epoch("t") == 2
+        comm.shutdown()
+        shallow = K.CudaCommunicator.create(rdv, max_floats=32, depth=1, tags=("ll",), timeout=5)
+        with pytest.raises(ValueError, match="needs depth >= 2 .* tag 'll' has 1") as ei:
+            shallow.run_rounds("ll", ins, 4, ll=True)
+        assert "\n" not in str(ei.value)
+        shallow.shutdown()
+
+    _, errs = _ranks(1, body, tmp_path)
+    assert errs == [None], errs
 
 
 def test_silent_rank_times_out_naming_it(fake_cupy, tmp_path):
