@@ -2,7 +2,8 @@
 
 Under MPI, one rank per GPU or N ranks on one GPU under MPS: p50/p99 of the host calls (allreduce,
 post, collect delta posts later, barrier), of all-reduces and post/collect pairs inside the persistent
-test kernel (CudaCommunicator.run_rounds), and of NCCL's all-reduce beside it where NCCL can run.
+test kernel (CudaCommunicator.run_rounds; the "kernel LL" rows: LL words, run_rounds(ll=True), on a tag
+of their own), and of NCCL's all-reduce beside it where NCCL can run.
 kccl.cuda_ipc re-exports bench_main.
 """
 
@@ -34,7 +35,8 @@ def bench_main(args) -> int:
     iters, warm, delta = args.iters, args.warmup, args.delta
     rows, notes = {}, []
     clock = time.perf_counter_ns
-    with CudaCommunicator.create(world, max_floats=n, depth=max(delta + 1, 1), tags=("bench",),
+    # max_floats=n: a slot holds 4n bytes, the n fp16 as n / 2 LL words exactly; depth >= 2 for LL
+    with CudaCommunicator.create(world, max_floats=n, depth=max(delta + 1, 2), tags=("bench", "ll"),
                                  timeout=60.0) as comm:
         rng = np.random.default_rng(comm.rank)
         x = cp.asarray(rng.standard_normal(n).astype(np.float16))
@@ -71,11 +73,17 @@ def bench_main(args) -> int:
         inputs = cp.asarray(rng.standard_normal((8, n)).astype(np.float16))
         spans = {}
         runs = [("kernel allreduce", 0, 1), ("kernel allreduce 4 blocks", 0, 4)]
+        if n % 2 == 0:
+            runs += [("kernel LL allreduce", 0, 1), ("kernel LL allreduce 4 blocks", 0, 4)]
+        else:
+            notes.append(f"kernel LL rows: not run: {n} fp16 is odd (LL words hold two)")
         if delta > 0:
             runs.append((f"kernel post/collect (delta={delta})", delta, 1))
         for label, dl, nb in runs:
             comm.barrier()
-            _, times = comm.run_rounds("bench", inputs, warm + iters, delta=dl, nblocks=nb)
+            ll = " LL " in label
+            _, times = comm.run_rounds("ll" if ll else "bench", inputs, warm + iters, delta=dl, nblocks=nb,
+                                       ll=ll)
             t = times[warm:].astype(np.int64)
             post, coll = t[:, 1] - t[:, 0], t[:, 2]
             if dl == 0:
@@ -121,7 +129,7 @@ def bench_main(args) -> int:
     mean_span = {k: round(float(np.mean([s[k] for s in spans_all])) / 1e3, 2) for k in spans}
     report = {"transport": "cuda_ipc", "nranks": world.size, "elements": n, "dtype": "float16",
               "iters": iters, "delta": delta, "devices": sorted(set(comm.bus_ids)),
-              "results": rows, "kernel_mean_loop_us": mean_span, "nccl": nccl_note or "ran"}
+              "results": rows, "kernel_mean_loop_us": mean_span, "nccl": nccl_note or "ran", "notes": notes}
     if args.json:
         import json
 
@@ -134,7 +142,7 @@ def bench_main(args) -> int:
             print(f"{k:<44}{v['p50_us']:>10.2f}{v['p99_us']:>10.2f}")
         for k, v in mean_span.items():
             print(f"mean loop period of {k}: {v:.2f} us (globaltimer over all rounds)")
-        if nccl_note:
-            print(nccl_note)
+        for line in notes + ([nccl_note] if nccl_note else []):
+            print(line)
     return 0
 

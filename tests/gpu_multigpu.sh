@@ -63,7 +63,7 @@ PY
 ;;
 ids) run ids 150 $PY -m pytest -v -s -m gpu tests/test_cuda_multirank.py -k "ids_equal and 2" ;;
 kccl) for n in $NS; do [ "$n" -gt 1 ] && run kccl_n$n 90 $MPI -n $n $PY -m kccl.bench --transport cuda_ipc --iters 2000 --warmup 200; done
-      grep -h "ranks on\|kernel allreduce \|post/collect (delta=2) pair\|host allreduce\|NCCL" "$OUT"/kccl_n*.log | tee -a "$OUT/summary.txt" ;;
+      grep -h "ranks on\|kernel allreduce \|kernel LL allreduce\|post/collect (delta=2) pair\|host allreduce\|NCCL" "$OUT"/kccl_n*.log | tee -a "$OUT/summary.txt" ;;
 bench) for n in $NS; do run bench_n$n 120 $MPI -n $n $PY tests/bench_multirank.py ${BENCH_TOKENS:-512} ${BENCH_PROFILE:+profile}; done
        grep -h BENCH "$OUT"/bench_n*.log | tee -a "$OUT/summary.txt"
        grep -h -A8 PROFILE "$OUT"/bench_n*.log >>"$OUT/summary.txt" ;;
