@@ -9,6 +9,8 @@ OMPI_MCA_rmaps_base_oversubscribe=1 as needed (kccl/device/run_gpu_checks.sh doe
 - stress: thousands of rounds inside the persistent test kernel (ids n2/n4/n8: 4000, 3000, 3000),
   several blocks per rank, random delays per rank/block/round, all-reduce and DTP delta=2, bitwise
   against a host-side rank-order sum;
+- LL stress: the same for the LL all-reduce (run_rounds(ll=True): LL words, no flag or ack) on a
+  depth-2 tag, two launches (several blocks, then one), bit for bit (-0 included);
 - a rank that never answers: the others' kernels time out and the host names the rank;
 - a SIGKILLed rank (plain processes, no launcher to kill the survivors): survivors raise PeerLost
   (kccl timeout 5 s, so even a missed pid check ends in seconds).
@@ -127,6 +129,38 @@ comm.shutdown()
 print("OK", r, flush=True)
 '''
 
+LL_STRESS = PRELUDE + r'''
+rounds, nblocks = int(sys.argv[1]), int(sys.argv[2])
+# max_floats 3072: a slot holds the 3072 fp16 as 1536 LL words exactly; depth 2, the least LL allows
+comm = Communicator.create(world, transport="cuda_ipc", max_floats=3072, depth=2, tags=("ll",), timeout=30.0)
+r, n = comm.rank, comm.size
+K = 64
+inputs = [np.random.default_rng([7, q]).standard_normal((K, 3072)).astype(np.float16) for q in range(n)]
+for q in range(n):   # words of +0 (the kernel reads its error word then), -0 everywhere, -0 in rank 0 only
+    inputs[q][:, :4], inputs[q][:, 4:6], inputs[q][:, 6:8] = 0.0, -0.0, -0.0 if q == 0 else 0.0
+want = np.stack([ranksum([inputs[q][k] for q in range(n)]) for k in range(K)])
+for launch, nb in enumerate((nblocks, 1)):   # the second launch reuses the slots of the first
+    comm.barrier()
+    t0 = time.perf_counter()
+    out, times = comm.run_rounds("ll", inputs[r], rounds, out_rounds=rounds, nblocks=nb, max_delay_ns=20000,
+                                 seed=launch + 1, ll=True)
+    dt = time.perf_counter() - t0
+    got = out.get().view(np.uint32)
+    bad = [i for i in range(rounds) if not np.array_equal(got[i], want[i % K].view(np.uint32))]
+    assert not bad, f"rank {r} LL launch {launch}: {len(bad)} rounds differ, first {bad[:5]}"
+    print(f"rank {r} LL: {rounds} rounds x {nb} blocks in {dt:.2f} s, all equal", flush=True)
+assert comm.next_epoch("ll") == 2 * rounds + 1
+flags, acks = comm.peek(1)
+assert flags == [0] * n and acks == [0] * n, (flags, acks)   # LL words only: no flag, no ack written
+try:
+    comm.post("ll", cp.zeros(4, cp.float32))
+    raise SystemExit("a flag post on an LL tag was accepted")
+except KcclError as e:
+    assert "cannot carry the flag protocol" in str(e), e
+comm.shutdown()
+print("OK", r, flush=True)
+'''
+
 HANG = PRELUDE + r'''
 comm = Communicator.create(world, transport="cuda_ipc", max_floats=1024, depth=2, tags=("t",), timeout=1.5)
 if comm.rank == 1:
@@ -197,6 +231,19 @@ def test_host_ops(n):
 ])
 def test_stress_persistent_kernel(n, rounds, nblocks, limit):
     res = run_mpi(n, code=STRESS, args=(rounds, nblocks), timeout=limit)
+    print(res.stdout)
+    _ranks_ok(res, n)
+
+
+@skip_gpu
+@skip_mpi
+@pytest.mark.parametrize("n,rounds,nblocks,limit", [
+    pytest.param(2, 4000, 3, 120, id="n2"),
+    pytest.param(4, 3000, 2, 120, id="n4"),
+    pytest.param(8, 3000, 2, 60, id="n8"),   # beside the flag n8 in run_gpu_checks.sh's stress8 step
+])
+def test_ll_stress_persistent_kernel(n, rounds, nblocks, limit):
+    res = run_mpi(n, code=LL_STRESS, args=(rounds, nblocks), timeout=limit)
     print(res.stdout)
     _ranks_ok(res, n)
 

@@ -1,7 +1,8 @@
 #!/bin/bash
 # GPU checks of the kccl cuda_ipc transport on one machine (one H200 shared by N ranks under MPS):
-# compile, smoke (N = 2), gpu (host ops N = 2, 4; stress N = 2, 4), stress8 (stress N = 8, 3000 rounds,
-# bounded at 55 s), bench (N = 1, 2, 4), faults (a silent rank, a SIGKILLed rank). About 2 min on the
+# compile, smoke (N = 2), gpu (host ops N = 2, 4; stress and LL stress N = 2, 4), stress8 (stress and
+# LL stress N = 8, 3000 rounds each, bounded at 100 s together), bench (N = 1, 2, 4; its "kernel LL"
+# rows are the LL all-reduce), faults (a silent rank, a SIGKILLed rank). About 2 min on the
 # H200; logs and summary.txt under ${OUT:-/tmp/kccl_out}. Run from the repository root as root (MPS
 # control). STEPS="compile stress8" runs a subset; without the mps step MPS is left as it is (so
 # tests/gpu_multirank.sh, which starts MPS, can call this script for its kccl step). Every step is
@@ -40,7 +41,7 @@ mps) if timeout 20 nvidia-cuda-mps-control -d >"$OUT/mps.log" 2>&1; then MPS=1; 
 compile) run compile 90 $PY -c "
 import time, cupy; t=time.time()
 from kccl.cuda_ipc import _module; m=_module()
-for k in ('kccl_op','kccl_test_rounds','kccl_peek'): m.get_function(k)
+for k in ('kccl_op','kccl_test_rounds','kccl_test_ll_rounds','kccl_peek'): m.get_function(k)
 print('nvrtc compile+load', round(time.time()-t,2), 's')" ;;
 smoke) run smoke 45 $MPI -n 2 $PY -c "$SMOKE"
    if [ $? -ne 0 ] && [ $MPS = 1 ]; then log "smoke failed under MPS: retrying without MPS"; echo quit | timeout 10 nvidia-cuda-mps-control; MPS=0
