@@ -189,7 +189,7 @@ class CudaBackend(Backend):
             timing_token: int | None = None) -> RunResult:
         """Backend.run; ignore_eos (benchmarks), dbg_logits (a [max_new, V] float32 device array that
         receives every step's logits) and timing_token (record per-phase clock marks of that decode step
-        into self.last_timing, [5N+2, blocks, 3] ns) are for tests and benchmarks."""
+        into self.last_timing, [5N+2, blocks, 5] ns: monokernel.cu tmark) are for tests and benchmarks."""
         self._timing_token = timing_token
         cp, cfg = self.cp, self.cfg
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
@@ -301,7 +301,7 @@ class CudaBackend(Backend):
         h[:len(vals)] = vals
         self._timing = None
         if getattr(self, "_timing_token", None) is not None:
-            self._timing = self.cp.zeros((5 * self.cfg.num_hidden_layers + 2, self.nblocks, 3), self.cp.uint64)
+            self._timing = self.cp.zeros((5 * self.cfg.num_hidden_layers + 2, self.nblocks, 5), self.cp.uint64)
             h[55] = self._timing.data.ptr
             h.view(np.int64)[56] = int(self._timing_token)
         h[57] = self.rope.data.ptr

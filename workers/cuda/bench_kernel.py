@@ -8,40 +8,55 @@ KINDS = ("qkv", "att", "wo", "w13", "w2")
 
 
 def phase_breakdown(timing: np.ndarray, num_layers: int) -> dict:
-    """timing [5N+2, blocks, 3] globaltimer ns (0 = block had no work). Returns, per phase kind, the time
-    from the end of the previous phase (last block) to the end of this one (last block), summed over
-    layers, plus median per-block wait (entry -> inputs ready) and busy (inputs ready -> done)."""
+    """timing [5N+2, blocks, 3 or 5] globaltimer ns (0 = block had no work; monokernel.cu tmark). Returns,
+    per phase kind, summed over layers: the time from the end of the previous phase (last block) to the
+    end of this one (last block); the median per-block wait (entry -> inputs ready) and busy (inputs
+    ready -> done); with 5 marks also the median staging (inputs ready -> row loop), rows (the row loop)
+    and signal (rows done -> done) times, and the tail (median block's end -> last block's end)."""
     t = timing.astype(np.int64)
     N = num_layers
     tok = t[5 * N + 1]
     start_candidates = tok[:, 1][tok[:, 1] > 0]
     start = int(start_candidates.max()) if start_candidates.size else int(t[0, :, 0][t[0, :, 0] > 0].min())
-    out = {k: {"critical_us": 0.0, "wait_us": 0.0, "busy_us": 0.0} for k in KINDS + ("lm",)}
+    keys = ("critical_us", "wait_us", "busy_us", "stage_us", "rows_us", "signal_us", "tail_us")
+    out = {k: dict.fromkeys(keys, 0.0) for k in KINDS + ("lm",)}
     prev = start
-    order = list(range(5 * N)) + [5 * N]
-    for ph in order:
+    for ph in list(range(5 * N)) + [5 * N]:
         kind = "lm" if ph == 5 * N else KINDS[ph % 5]
         m = t[ph]
         ok = (m[:, 2] > 0) & (m[:, 1] > 0)
         if not ok.any():
             continue
         end = int(m[ok, 2].max())
-        out[kind]["critical_us"] += (end - prev) / 1e3
-        out[kind]["wait_us"] += float(np.median(m[ok, 1] - m[ok, 0])) / 1e3
-        out[kind]["busy_us"] += float(np.median(m[ok, 2] - m[ok, 1])) / 1e3
+        o = out[kind]
+        o["critical_us"] += (end - prev) / 1e3
+        o["wait_us"] += float(np.median(m[ok, 1] - m[ok, 0])) / 1e3
+        o["busy_us"] += float(np.median(m[ok, 2] - m[ok, 1])) / 1e3
+        o["tail_us"] += (end - float(np.median(m[ok, 2]))) / 1e3
+        if m.shape[1] >= 5:
+            fine = ok & (m[:, 3] > 0) & (m[:, 4] > 0)
+            if fine.any():
+                o["stage_us"] += float(np.median(m[fine, 3] - m[fine, 1])) / 1e3
+                o["rows_us"] += float(np.median(m[fine, 4] - m[fine, 3])) / 1e3
+                o["signal_us"] += float(np.median(m[fine, 2] - m[fine, 4])) / 1e3
         prev = end
     out["total_us"] = (prev - start) / 1e3
     return out
 
 
 def format_breakdown(b: dict, streamed: dict | None = None) -> str:
-    lines = ["phase | critical path us | median wait us | median busy us" + (" | GB/s on path" if streamed else "")]
+    fine = any(b[k]["rows_us"] > 0 for k in KINDS)
+    head = "phase | critical path us | median wait us | median busy us"
+    head += " | stage us | rows us | signal us | tail us" if fine else ""
+    lines = [head + (" | GB/s on path" if streamed else "")]
     for k in KINDS + ("lm",):
         x = b[k]
-        gbs = ""
+        row = f"{k} | {x['critical_us']:.1f} | {x['wait_us']:.1f} | {x['busy_us']:.1f}"
+        if fine:
+            row += f" | {x['stage_us']:.1f} | {x['rows_us']:.1f} | {x['signal_us']:.1f} | {x['tail_us']:.1f}"
         if streamed and k in streamed and x["critical_us"] > 0:
-            gbs = f" | {streamed[k] / (x['critical_us'] * 1e3):.0f}"
-        lines.append(f"{k} | {x['critical_us']:.1f} | {x['wait_us']:.1f} | {x['busy_us']:.1f}{gbs}")
+            row += f" | {streamed[k] / (x['critical_us'] * 1e3):.0f}"
+        lines.append(row)
     lines.append(f"total (token wait end -> LM end) | {b['total_us']:.1f}")
     return "\n".join(lines)
 

@@ -74,10 +74,10 @@ def check_shape(cfg, dtype: str, nblocks: int | None = None) -> None:
 SMEM_LIMIT = 225 * 1024
 
 
-def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 512) -> int:
+def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 512, norm2: bool = True) -> int:
     """The monokernel's dynamic shared memory (monokernel.cu SM_FLOATS * 4, without CFG_PFS): the inputs of
     the lanes a block touches in a phase (its staging area), the combine staging of its rows, the
-    attention scratch, the LM head's input."""
+    attention scratch, the LM head's input; plus the norm weights of stage_norms2 (NORM2)."""
     D, L, HD, nw = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, nthreads // 32
     hdl, fl = cfg.heads_per_lane * HD, cfg.ffn_per_lane
     rq = hdl + 2 * (cfg.kv_heads // L) * HD
@@ -96,7 +96,9 @@ def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 51
                 spanned(L * D // nr_wo, D // nr_wo) * hdl, spanned(L * D // 2, D // 2) * fl)
     cb_rows = -(-L * D // nblocks) + 2 * nr_wo + 4
     main = max(stage + 2 * cb_rows, G * HD + nw * G * HD + 2 * nw * G, D) + 144
-    return -(-main // 4) * 4 * 4
+    norm2 = (norm2 and spanned(L * rq // 2, rq // 2) <= 2 and spanned(L * fl, fl) <= 2 and min(L, 8) >= 2
+             and D % 4 == 0)
+    return (-(-main // 4) * 4 + (2 * D if norm2 else 0)) * 4
 
 
 class Kernels:

@@ -72,8 +72,16 @@ constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
 constexpr int SM_LM = D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
 constexpr int SM_MAIN = cmax(cmax(SM_STAGE + 2 * CB_ROWS, SM_ATT), SM_LM) + 16 * 8 + 16;
-constexpr int SM_FLOATS = ((SM_MAIN + 3) / 4) * 4 + PFS / 4;   // + the weight buffer (16-byte aligned)
+#ifndef CFG_NORM2
+#define CFG_NORM2 1
+#endif
+// stage_norms2 (a block's QKV and W13 units span at most 2 lanes): the norm weights of its lanes in
+// shared memory, copied before the block waits for the residual
+constexpr bool NORM2 = CFG_NORM2 && lanes_spanned(U_QKV, UPL_QKV) <= 2 && lanes_spanned(U_W13, UPL_W13) <= 2 &&
+                       (L < 8 ? L : 8) >= 2 && D % 4 == 0;
 constexpr int WBUF_OFF = ((SM_MAIN + 3) / 4) * 4;
+constexpr int GS_OFF = WBUF_OFF + PFS / 4;                       // [2][D] norm weights (NORM2)
+constexpr int SM_FLOATS = GS_OFF + (NORM2 ? 2 * D : 0);         // + the weight buffer (16-byte aligned)
 static_assert(SM_FLOATS * 4 <= 225 * 1024, "shared memory: lower CFG_PFS");
 // units' sizes in elements of wt
 constexpr int UE_QKV = 2 * D, UE_WO = NR_WO * HDL, UE_W13 = 2 * D, UE_W2 = NR_W2 * FL, UE_LM = 2 * D;
@@ -125,7 +133,7 @@ struct Params {                  // every field 8 bytes; backend.py fills it in 
   long long n_eos;               // 30
   long long stop_ids[16];        // 31..46
   long long eos_ids[8];          // 47..54
-  u64* timing;                   // 55 [5NL+2][NB][3] globaltimer marks of one token, or null
+  u64* timing;                   // 55 [5NL+2][NB][TMARKS] globaltimer marks of one token, or null
   long long timing_token;        // 56
   const float2* rope;            // 57 [max_seq][HD/2] (cos, sin) of position * theta^(-2k/HD)
 #if KOG_NRANKS > 1
@@ -140,10 +148,12 @@ __device__ __forceinline__ u64 gtimer() {
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
-// phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done)
+// phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done,
+// 3 inputs staged, the row loop starts, 4 rows done, before the signal; 3 and 4 in QKV, WO, W13, W2)
+constexpr int TMARKS = 5;
 __device__ __forceinline__ void tmark(const Params& p, int n, int ph, int k) {
   if (p.timing && n == p.timing_token && threadIdx.x == 0)
-    p.timing[((long long)ph * NB + blockIdx.x) * 3 + k] = gtimer();
+    p.timing[((long long)ph * NB + blockIdx.x) * TMARKS + k] = gtimer();
 }
 
 #if KOG_NRANKS > 1
@@ -424,6 +434,60 @@ __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, 
   }
   __syncthreads();
 }
+// The common case (NORM2: a block's QKV and W13 units span at most 2 lanes): the norm weights are copied
+// into shared memory before the block waits for the residual (norm_g_load), and both lanes' residual
+// loads are in flight at once, so the phase pays one load latency after its wait instead of four. Same
+// arithmetic, same bits as stage_norms.
+__device__ __forceinline__ void norm_g_load(float* sm, const float* g, int l0, int nl) {
+  const int n4 = nl * D / 4;                    // the nl lanes' rows are contiguous in g
+  for (int x = threadIdx.x; x < n4; x += NT) cp_async16(sm + GS_OFF + 4 * x, g + (long long)l0 * D + 4 * x);
+  cp_async_commit();
+}
+// dst: the block's shared memory (sm); the weights at sm + GS_OFF (norm_g_load, waited for by the caller's
+// cp_async_wait_all, visible after the first barrier below)
+__device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, int l0, int nl, int tok,
+                                             unsigned wmask, float* red) {
+  const float* gs = dst + GS_OFF;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float v[2][DPT];
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int e = 0; e < DPT; ++e) {
+      const int d = threadIdx.x + e * NT;
+      v[k][e] = (k < nl && d < D) ? hval(p, s, l0 + k, d, tok) : 0.f;
+    }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (k >= nl) break;
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPT; ++e)
+      if (threadIdx.x + e * NT < D) ss += v[k][e] * v[k][e];
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp * MAXL + k] = ss;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (k >= nl) break;
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) tot += red[w * MAXL + k];
+    const float inv = 1.0f / sqrtf(tot / (float)D + EPS);
+    const int l = l0 + k;
+    const bool wr = ((wmask >> k) & 1u) && !fused_step(s);
+#pragma unroll
+    for (int e = 0; e < DPT; ++e) {
+      const int d = threadIdx.x + e * NT;
+      if (d < D) {
+        if (wr) p.hres[((long long)s * L + l) * D + d] = v[k][e];
+        dst[k * D + xp(d, D)] = (v[k][e] * inv) * gs[k * D + d];
+      }
+    }
+  }
+  __syncthreads();
+}
 // the final norm of every lane (residual version 2NL): into rows ([L][D], global) when given, else
 // their lane mean into y (shared): all lanes in batches of MAXL with one block reduction per batch
 #ifndef CFG_FNB
@@ -546,10 +610,13 @@ __device__ __forceinline__ float pick(const float* a, int n, int k) {
   return v;
 }
 
+#ifndef CFG_SIG_FENCE
+#define CFG_SIG_FENCE 1
+#endif
 __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl, int a, int b) {
   __syncthreads();
   if (threadIdx.x == 0 && a < b) {
-    __threadfence();
+    if (CFG_SIG_FENCE) __threadfence();   // 0: the red.release after the barrier alone (PTX model: enough)
     for (int l = a / upl; l <= (b - 1) / upl; ++l) {
       int n = lane_units(l, upl, a, b);
       if (n) red_release(CTR(p, phase * L + l), (u64)n);
@@ -612,6 +679,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i;
+  if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 0) * L * D, l0, l1 - l0 + 1);
   if (threadIdx.x == 0 && s > 0) {
     const u64 tgt = (u64)(n * NL + i) * UPL_W2;    // W2 of layer i-1 done
     if (fused_step(s)) wait_lanes(p, C_W2, l0, l1, tgt);
@@ -620,8 +688,10 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   __syncthreads();
   tmark(p, n, ph, 1);
   cp_async_wait_all();
-  stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
-              writer_mask(l0, l1, UPL_QKV, ua, ub), red);
+  if (NORM2) stage_norms2(p, sm, s, l0, l1 - l0 + 1, tok, writer_mask(l0, l1, UPL_QKV, ua, ub), red);
+  else stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,
+                   writer_mask(l0, l1, UPL_QKV, ua, ub), red);
+  tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
@@ -650,6 +720,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
       }
     }
   }
+  tmark(p, n, ph, 4);
   signal_lanes(p, C_QKV, UPL_QKV, ua, ub);
   tmark(p, n, ph, 2);
 }
@@ -842,6 +913,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
     }
   cp_async_wait_all();
   __syncthreads();
+  tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
@@ -858,6 +930,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
 #endif
     }
   }
+  tmark(p, n, ph, 4);
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
   tmark(p, n, ph, 2);
 }
@@ -874,6 +947,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i + 1;
+  if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 1) * L * D, l0, l1 - l0 + 1);
   if (threadIdx.x == 0) {
     const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
     if (fused_step(s)) wait_lanes(p, C_WO, l0, l1, tgt);
@@ -882,8 +956,10 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 1);
   cp_async_wait_all();
-  stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
-              writer_mask(l0, l1, UPL_W13, ua, ub), red);
+  if (NORM2) stage_norms2(p, sm, s, l0, l1 - l0 + 1, tok, writer_mask(l0, l1, UPL_W13, ua, ub), red);
+  else stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 1) * L * D, tok,
+                   writer_mask(l0, l1, UPL_W13, ua, ub), red);
+  tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
@@ -892,6 +968,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     else warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
   }
+  tmark(p, n, ph, 4);
   signal_lanes(p, C_W13, UPL_W13, ua, ub);
   tmark(p, n, ph, 2);
 }
@@ -926,6 +1003,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
     for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
   cp_async_wait_all();
   __syncthreads();
+  tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
@@ -942,6 +1020,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
 #endif
     }
   }
+  tmark(p, n, ph, 4);
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
   tmark(p, n, ph, 2);
 }
