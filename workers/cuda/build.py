@@ -95,7 +95,8 @@ def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 51
     stage = max(spanned(L * rq // 2, rq // 2) * D, spanned(L * fl, fl) * D,
                 spanned(L * D // nr_wo, D // nr_wo) * hdl, spanned(L * D // 2, D // 2) * fl)
     cb_rows = -(-L * D // nblocks) + 2 * nr_wo + 4
-    main = max(stage + 2 * cb_rows, G * HD + nw * G * HD + 2 * nw * G, D) + 144
+    att = G * HD + nw * G * HD + 2 * nw * G
+    main = max(max(stage, att) + 2 * cb_rows, D) + 144
     norm2 = (norm2 and spanned(L * rq // 2, rq // 2) <= 2 and spanned(L * fl, fl) <= 2 and min(L, 8) >= 2
              and D % 4 == 0)
     return (-(-main // 4) * 4 + (2 * D if norm2 else 0)) * 4

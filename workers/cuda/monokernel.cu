@@ -71,7 +71,8 @@ constexpr int SM_STAGE = cmax(cmax(lanes_spanned(U_QKV, UPL_QKV) * D, lanes_span
 constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
 constexpr int SM_LM = D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
-constexpr int SM_MAIN = cmax(cmax(SM_STAGE + 2 * CB_ROWS, SM_ATT), SM_LM) + 16 * 8 + 16;
+constexpr int CB_OFF = cmax(SM_STAGE, SM_ATT);   // WO / W2 combine staging: clear of attention's scratch
+constexpr int SM_MAIN = cmax(CB_OFF + 2 * CB_ROWS, SM_LM) + 16 * 8 + 16;
 #ifndef CFG_NORM2
 #define CFG_NORM2 1
 #endif
@@ -289,6 +290,24 @@ __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
 __device__ __forceinline__ void brange(int U, int& a, int& b) {
   a = (int)((long long)blockIdx.x * U / NB);
   b = (int)((long long)(blockIdx.x + 1) * U / NB);
+}
+// The warps of a block take the units of its range in turn: the first NW statically, then each warp the
+// next one not taken (a shared-memory counter), so a warp that finishes early takes more and the block's
+// barrier after its row loop waits less for its slowest warp. Every unit is still computed by one warp
+// with the same code: the same bits.
+#ifndef CFG_WSTEAL
+#define CFG_WSTEAL 1
+#endif
+__shared__ int unit_next_s;
+// at a phase's entry (the previous row loop ended at its signal barrier; a barrier follows before the loop)
+__device__ __forceinline__ void units_reset(int ua) {
+  if (CFG_WSTEAL && threadIdx.x == 0) unit_next_s = ua + NW;
+}
+__device__ __forceinline__ int unit_after(int u) {
+  if (!CFG_WSTEAL) return u + NW;
+  int v = 0;
+  if ((threadIdx.x & 31) == 0) v = atomicAdd(&unit_next_s, 1);
+  return __shfl_sync(0xffffffffu, v, 0);
 }
 // count of units of lane l inside [a, b) for a lane-major unit space with upl units per lane
 __device__ __forceinline__ int lane_units(int l, int upl, int a, int b) {
@@ -611,7 +630,7 @@ __device__ __forceinline__ float pick(const float* a, int n, int k) {
 }
 
 #ifndef CFG_SIG_FENCE
-#define CFG_SIG_FENCE 1
+#define CFG_SIG_FENCE 0   // 1: also a __threadfence before the release (measured 2% slower)
 #endif
 __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl, int a, int b) {
   __syncthreads();
@@ -671,6 +690,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int ph = 5 * i;
   tmark(p, n, ph, 0);
   brange(U_QKV, ua, ub);
+  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_QKV;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
   if (!prefilled)
@@ -693,7 +713,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
                    writer_mask(l0, l1, UPL_QKV, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
+  for (int u = ua + warp; u < ub; u = unit_after(u)) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
     int r = row, region = 0;
     if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
@@ -725,7 +745,26 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   tmark(p, n, ph, 2);
 }
 
-__device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i, int t) {
+// The output projection's combine inputs (residual base, delayed lanes' term) of the block's WO rows
+// [ua, ub), staged into shared memory (CB_OFF) before the rows: with CFG_ATTCB when attention starts
+// (they are ready by then; WO itself then waits only for attention), else at WO's entry.
+#ifndef CFG_ATTCB
+#define CFG_ATTCB 1
+#endif
+__device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int tok, int ua, int ub) {
+  const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
+  if (threadIdx.x == 0) {
+    wait_delayed(p, C_WO, UPL_WO, n, i);
+    if (i > 0) {   // the residual base h[2i] of the block's lanes: W2(i-1), or the QKV(i) writer block
+      if (fused_step(2 * i)) wait_lanes(p, C_W2, l0, l1, (u64)(n * NL + i) * UPL_W2);
+      else wait_lanes(p, C_QKV, l0, l1, (u64)(n * NL + i + 1) * UPL_QKV);
+    }
+  }
+  __syncthreads();
+  stage_combine(p, sm + CB_OFF, i, 0, ua, ub, NR_WO, UPL_WO, tok);
+}
+
+__device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i, int t, int tok) {
   int ua, ub;
   const int ph = 5 * i + 1;
   tmark(p, n, ph, 0);
@@ -736,6 +775,7 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
     const wt* Wo = p.w + (long long)i * LAYER_SZ + OFF_WO;
     const int nb = wbuf_fill(sm, Wo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
     prefetch_l2(Wo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO * sizeof(wt), PF_ATT);
+    if (CFG_ATTCB && wa < wb) wo_stage_combine(p, sm, n, i, tok, wa, wb);
   }
   if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -867,6 +907,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 2;
   tmark(p, n, ph, 0);
   brange(U_WO, ua, ub);
+  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
 #if KOG_NRANKS > 1
@@ -875,16 +916,8 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
 #endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
-  float* cb = sm + SM_STAGE;
-  if (threadIdx.x == 0) {
-    wait_delayed(p, C_WO, UPL_WO, n, i);
-    if (i > 0) {   // the residual base h[2i] of the block's lanes: W2(i-1), or the QKV(i) writer block
-      if (fused_step(2 * i)) wait_lanes(p, C_W2, l0, l1, (u64)(n * NL + i) * UPL_W2);
-      else wait_lanes(p, C_QKV, l0, l1, (u64)(n * NL + i + 1) * UPL_QKV);
-    }
-  }
-  __syncthreads();
-  stage_combine(p, cb, i, 0, ua, ub, NR_WO, UPL_WO, tok);
+  float* cb = sm + CB_OFF;
+  if (!CFG_ATTCB) wo_stage_combine(p, sm, n, i, tok, ua, ub);
   if (threadIdx.x == 0) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
   __syncthreads();
   tmark(p, n, ph, 1);
@@ -915,7 +948,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
+  for (int u = ua + warp; u < ub; u = unit_after(u)) {
     const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
     float acc[NR_WO];
     if (u - ua < nbuf)
@@ -940,6 +973,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 3;
   tmark(p, n, ph, 0);
   brange(U_W13, ua, ub);
+  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
@@ -961,7 +995,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
                    writer_mask(l0, l1, UPL_W13, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
+  for (int u = ua + warp; u < ub; u = unit_after(u)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
@@ -978,6 +1012,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 4;
   tmark(p, n, ph, 0);
   brange(U_W2, ua, ub);
+  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
@@ -987,7 +1022,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
 #endif
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
-  float* cb = sm + SM_STAGE;
+  float* cb = sm + CB_OFF;
   if (threadIdx.x == 0) {
     wait_delayed(p, C_W2, UPL_W2, n, i);
     // the residual base h[2i+1] of the block's lanes: WO(i), or the W13(i) writer block
@@ -1005,7 +1040,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
+  for (int u = ua + warp; u < ub; u = unit_after(u)) {
     const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
     float acc[NR_W2];
     if (u - ua < nbuf)
@@ -1271,7 +1306,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
     }
     for (int i = 0; i < NL; ++i) {
       phase_qkv(p, sm, n, i, t, tok, n > 0 && i == 0);
-      phase_att(p, sm, n, i, t);
+      phase_att(p, sm, n, i, t, tok);
       phase_wo(p, sm, n, i, tok);
       phase_w13(p, sm, n, i, tok);
       phase_w2(p, sm, n, i, tok);
