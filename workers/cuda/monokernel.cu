@@ -291,24 +291,6 @@ __device__ __forceinline__ void brange(int U, int& a, int& b) {
   a = (int)((long long)blockIdx.x * U / NB);
   b = (int)((long long)(blockIdx.x + 1) * U / NB);
 }
-// The warps of a block take the units of its range in turn: the first NW statically, then each warp the
-// next one not taken (a shared-memory counter), so a warp that finishes early takes more and the block's
-// barrier after its row loop waits less for its slowest warp. Every unit is still computed by one warp
-// with the same code: the same bits.
-#ifndef CFG_WSTEAL
-#define CFG_WSTEAL 1
-#endif
-__shared__ int unit_next_s;
-// at a phase's entry (the previous row loop ended at its signal barrier; a barrier follows before the loop)
-__device__ __forceinline__ void units_reset(int ua) {
-  if (CFG_WSTEAL && threadIdx.x == 0) unit_next_s = ua + NW;
-}
-__device__ __forceinline__ int unit_after(int u) {
-  if (!CFG_WSTEAL) return u + NW;
-  int v = 0;
-  if ((threadIdx.x & 31) == 0) v = atomicAdd(&unit_next_s, 1);
-  return __shfl_sync(0xffffffffu, v, 0);
-}
 // count of units of lane l inside [a, b) for a lane-major unit space with upl units per lane
 __device__ __forceinline__ int lane_units(int l, int upl, int a, int b) {
   int lo = max(a, l * upl), hi = min(b, (l + 1) * upl);
@@ -690,7 +672,6 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int ph = 5 * i;
   tmark(p, n, ph, 0);
   brange(U_QKV, ua, ub);
-  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_QKV;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
   if (!prefilled)
@@ -713,7 +694,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
                    writer_mask(l0, l1, UPL_QKV, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u = unit_after(u)) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_QKV, row = 2 * (u % UPL_QKV);
     int r = row, region = 0;
     if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
@@ -907,7 +888,6 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 2;
   tmark(p, n, ph, 0);
   brange(U_WO, ua, ub);
-  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
 #if KOG_NRANKS > 1
@@ -948,7 +928,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u = unit_after(u)) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
     float acc[NR_WO];
     if (u - ua < nbuf)
@@ -973,7 +953,6 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 3;
   tmark(p, n, ph, 0);
   brange(U_W13, ua, ub);
-  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
@@ -995,7 +974,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
                    writer_mask(l0, l1, UPL_W13, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u = unit_after(u)) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
@@ -1012,7 +991,6 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 4;
   tmark(p, n, ph, 0);
   brange(U_W2, ua, ub);
-  units_reset(ua);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
@@ -1040,7 +1018,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u = unit_after(u)) {
+  for (int u = ua + warp; u < ub; u += NW) {
     const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
     float acc[NR_W2];
     if (u - ua < nbuf)
