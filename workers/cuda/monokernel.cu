@@ -666,6 +666,35 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
 }
 #endif
 
+#ifndef CFG_PF_ATT13
+#define CFG_PF_ATT13 0
+#endif
+#ifndef CFG_PF_KV
+#define CFG_PF_KV 0
+#endif
+// positions [cs, ce) of attention chunk c at position t of layer i
+__device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce) {
+  const int lo = sliding(i) ? max(0, t - SW + 1) : 0;
+  const int CH = (t - lo + 1 + NCH - 1) / NCH;
+  cs = lo + c * CH;
+  ce = min(cs + CH, t + 1);
+}
+// at the end of QKV's rows: the cached keys and values the block's attention units will read, into L2
+__device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
+  if (CFG_PF_KV <= 0) return;
+  int aa, ab;
+  brange(U_ATT, aa, ab);
+  for (int u = aa; u < ab; ++u) {
+    const int g = u / NCH;
+    int cs, ce;
+    att_chunk(i, t, u % NCH, cs, ce);
+    if (ce <= cs) continue;
+    const long long off = (((long long)i * KV + g) * p.max_seq + cs) * HD;
+    prefetch_l2(p.kc + off, (long long)(ce - cs) * HD * sizeof(wt), CFG_PF_KV);
+    prefetch_l2(p.vc + off, (long long)(ce - cs) * HD * sizeof(wt), CFG_PF_KV);
+  }
+}
+
 // ---- phases ------------------------------------------------------------------------------------
 __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {
   int ua, ub;
@@ -721,6 +750,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
       }
     }
   }
+  prefetch_kv(p, i, t);
   tmark(p, n, ph, 4);
   signal_lanes(p, C_QKV, UPL_QKV, ua, ub);
   tmark(p, n, ph, 2);
@@ -757,6 +787,12 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
     const int nb = wbuf_fill(sm, Wo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
     prefetch_l2(Wo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO * sizeof(wt), PF_ATT);
     if (CFG_ATTCB && wa < wb) wo_stage_combine(p, sm, n, i, tok, wa, wb);
+    if (CFG_PF_ATT13 > 0) {   // HBM is idle during attention: the first of the block's W13 rows too
+      int fa, fb;
+      brange(U_W13, fa, fb);
+      prefetch_l2(p.w + (long long)i * LAYER_SZ + OFF_W13 + (long long)fa * UE_W13,
+                  (long long)(fb - fa) * UE_W13 * sizeof(wt), CFG_PF_ATT13);
+    }
   }
   if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
