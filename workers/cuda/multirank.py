@@ -4,10 +4,10 @@ rows) plus the kccl exchanges of monokernel.cu (`#if KOG_NRANKS > 1`, docs/monok
 
 Everything here is plain Python (no CuPy), so tests/test_cuda_multirank.py checks it on a CPU: the lane
 ranges, the kernel's compile-time defines, the epoch schedule the kernel follows (mirrors mr_posted /
-mr_read_later / mr_index of monokernel.cu) and the communicator's slot sizes.
+mr_read_later / mr_index of monokernel.cu), the LL ring depth and the communicator's slot sizes.
 
-STATUS: run on one H200 under MPS (2026-11-29): N = 2, 4, 8 ranks give the one-rank and numpy ids; a rank
-killed mid-decode makes the others raise PeerLost (BENCHMARKS.md). Not yet run across several GPUs (issue 9).
+Run on one H200 under MPS (N = 2, 4, 8 ranks give the one-rank and numpy ids; a killed rank makes the others
+raise PeerLost) and on two H200s (N = 2: the one-rank ids, 791 tokens/s against 714 for one GPU; BENCHMARKS.md).
 """
 from __future__ import annotations
 
