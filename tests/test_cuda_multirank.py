@@ -599,11 +599,13 @@ def test_killed_rank_verdict():
 
 
 def test_params_layout_matches_the_backend():
-    """monokernel.cu's Params words (each field 8 bytes, arrays of them) against the indices backend.py
-    writes: 58 kccl pointer, 59..61 first epochs (attn, mlp, final), 62 yfin; N_PARAMS holds them."""
+    """The kernel's Params words (each field 8 bytes, arrays of them) against the indices backend.py
+    writes: 58 kccl pointer, 59..61 first epochs (attn, mlp, final), 62 yfin; N_PARAMS holds them.
+    Read from the inlined source (build.source): Params is in one of monokernel.cu's headers."""
     import re
     from workers.cuda.backend import N_PARAMS
-    src = open(os.path.join(REPO, "workers", "cuda", "monokernel.cu")).read()
+    from workers.cuda.build import source
+    src = source()
     body = src[src.index("struct Params {"):src.index("};", src.index("struct Params {"))]
     words, names, multi = 0, {}, False
     for line in body.splitlines()[1:]:
