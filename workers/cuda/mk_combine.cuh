@@ -1,0 +1,144 @@
+// mk_combine.cuh: part of monokernel.cu (pasted in place after mk_norms.cuh; not a standalone header).
+// The producers' combine into the residual (stage_combine, combine_finish, pick), the per-(phase, lane)
+// counters (signal_lanes, wait_lanes, wait_delayed), the final rows' exchange between ranks (mr_final,
+// KOG_NRANKS > 1) and the KV cache's L2 prefetch for attention (att_chunk, prefetch_kv).
+#pragma once
+
+// the producer's combine: the inputs other than this layer's partial (residual base and the delayed
+// lanes' term) are staged in shared memory for all the block's rows before the block waits for its
+// inputs (they are ready earlier), so the rows' epilogue reads only shared memory.
+__device__ __forceinline__ bool has_delayed(int i) {
+  return USE_COMM && LG > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE);
+}
+__device__ void stage_combine(const Params& p, float* cb, int i, int kind, int ua, int ub, int nr, int upl, int tok) {
+  const int s = 2 * i + 1 + kind;
+  if (!fused_step(s)) return;
+  const int n = (ub - ua) * nr;
+#if KOG_NRANKS > 1
+  const MrPart mr = mr_part(p, kind, mr_n_s, has_delayed(i) ? i - DELTA : i);
+#endif
+  for (int x = threadIdx.x; x < n; x += NT) {
+    const int u = ua + x / nr, l = u / upl, r = (u % upl) * nr + x % nr;
+    const float base = hbase(p, s - 1, l, r, tok);
+    float dt = 0.f;
+    if (has_delayed(i)) {
+#if KOG_NRANKS > 1
+      float own;
+      const float tot = mr_lane_sum(mr, r, (int)kds.rank * L + l, &own);
+      dt = tot - own;
+#else
+      const float* pp = p.part + ((long long)((i - DELTA) * 2 + kind) * L) * D + r;
+      float P[L];
+#pragma unroll
+      for (int j = 0; j < L; ++j) P[j] = ldf(pp + (long long)j * D);
+      float tot = P[0], own = P[0];
+#pragma unroll
+      for (int j = 1; j < L; ++j) {
+        tot += P[j];
+        if (j == l) own = P[j];
+      }
+      dt = tot - own;
+#endif
+    }
+    cb[2 * x] = base;
+    cb[2 * x + 1] = dt;
+  }
+}
+__device__ __forceinline__ void combine_finish(const Params& p, int i, int kind, int l, int r, float pv, const float* c) {
+  const int s = 2 * i + 1 + kind;
+  p.part[((long long)(i * 2 + kind) * L + l) * D + r] = pv;
+  if (!fused_step(s)) return;
+  const float base = c[0];
+  float h;
+  if (!USE_COMM || i < DELTA) h = (USE_COMM && LG == 1) ? base + pv : base + sqrtf((float)LG) * pv;
+  else if (has_delayed(i)) h = base + (pv + c[1]);
+  else h = base + pv;
+  p.hres[((long long)s * L + l) * D + r] = h;
+}
+__device__ __forceinline__ float pick(const float* a, int n, int k) {
+  float v = a[0];
+  for (int r = 1; r < n; ++r)
+    if (k == r) v = a[r];
+  return v;
+}
+
+#ifndef CFG_SIG_FENCE
+#define CFG_SIG_FENCE 0   // 1: also a __threadfence before the release (measured 2% slower)
+#endif
+__device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl, int a, int b) {
+  __syncthreads();
+  if (threadIdx.x == 0 && a < b) {
+    if (CFG_SIG_FENCE) __threadfence();   // 0: the red.release after the barrier alone (PTX model: enough)
+    for (int l = a / upl; l <= (b - 1) / upl; ++l) {
+      int n = lane_units(l, upl, a, b);
+      if (n) red_release(CTR(p, phase * L + l), (u64)n);
+    }
+  }
+}
+__device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
+  for (int l = l0; l <= l1; ++l) SPIN(p, CTR(p, phase * L + l), target);
+}
+// the delayed partials of layer i - DELTA must be complete before a producer of layer i combines
+__device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl, int n, int i) {
+  if (USE_COMM && LG > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE))
+    wait_lanes(p, phase, 0, L - 1, (u64)(n * NL + i - DELTA + 1) * upl);   // own lanes (others: LL words)
+}
+
+#if KOG_NRANKS > 1
+// the final norm's lane mean over every rank: block 0 posts the rank's normed rows (written straight
+// into p.yfin) and the host's cancel word; every block sums the LG rows in lane order into y
+__device__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y);
+__device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) {
+  const u64 e = (u64)(p.e0[2] + n);
+  if (blockIdx.x == 0) {
+    const bool ok = kccl_post_begin(kds, CH_FIN, e);
+    final_norms(p, tok, red, p.yfin, nullptr);
+    if (threadIdx.x == 0) p.yfin[L * D] = __int_as_float(*(volatile const int*)p.cancel);
+    __syncthreads();
+    if (ok) {
+      kccl_post_chunk(kds, CH_FIN, e, p.yfin, 0, 4LL * FIN_FLOATS);
+      kccl_post_end(kds, CH_FIN, e, 1, 4LL * FIN_FLOATS, 3);
+    }
+  }
+  kccl_wait(kds, CH_FIN, e);
+  const char* p0 = kccl_slot(kds, CH_FIN, 0, e);                 // rank q's rows: q * st further
+  const long long st = (long long)MR_DEPTH * kds.slot_bytes;
+  for (int d = threadIdx.x; d < D; d += NT) {
+    float a = __ldcg((const float*)p0 + d);
+    for (int j = 1; j < LG; ++j) a += __ldcg((const float*)(p0 + (j / L) * st) + (j % L) * D + d);
+    y[xp(d, D)] = a / (float)LG;
+  }
+  if (threadIdx.x == 0) {
+    int c = 0;
+    for (int r = 0; r < NRK; ++r) c |= __float_as_int(__ldcg((const float*)(p0 + r * st) + L * D));
+    mr_cancel_s = c;
+  }
+  kccl_collect_end(kds, CH_FIN, e, NB);
+}
+#endif
+
+#ifndef CFG_PF_KV
+#define CFG_PF_KV 65536   // bytes of keys (and of values) per attention unit; 0: off (719 vs 728 tok/s)
+#endif
+// positions [cs, ce) of attention chunk c at position t of layer i
+__device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce) {
+  const int lo = sliding(i) ? max(0, t - SW + 1) : 0;
+  const int CH = (t - lo + 1 + NCH - 1) / NCH;
+  cs = lo + c * CH;
+  ce = min(cs + CH, t + 1);
+}
+// at the end of QKV's rows: the cached keys and values the block's attention units will read, into L2
+__device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
+  if (CFG_PF_KV <= 0) return;
+  int aa, ab;
+  brange(U_ATT, aa, ab);
+  for (int u = aa; u < ab; ++u) {
+    const int g = u / NCH;
+    int cs, ce;
+    att_chunk(i, t, u % NCH, cs, ce);
+    if (ce <= cs) continue;
+    const long long off = (((long long)i * KV + g) * p.max_seq + cs) * HD;
+    prefetch_l2(p.kc + off, (long long)(ce - cs) * HD * sizeof(wt), CFG_PF_KV);
+    prefetch_l2(p.vc + off, (long long)(ce - cs) * HD * sizeof(wt), CFG_PF_KV);
+  }
+}

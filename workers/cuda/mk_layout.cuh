@@ -1,0 +1,149 @@
+// mk_layout.cuh: part of monokernel.cu (pasted where monokernel.cu includes it; not a standalone header:
+// it relies on common.cuh and `using namespace cfg` before it). The rank count (KOG_NRANKS, LG, SPIN),
+// the units and the weight layout, the counters, the shared-memory plan, wbuf_fill, the Params struct
+// the host fills (backend.py writes its words by index) and the timer marks.
+#pragma once
+
+// ---- several ranks (KOG_NRANKS > 1, docs/monokernel.md "multi-rank"): this kernel is the one-rank
+// kernel of the rank's sub-model (CFG_L, CFG_H, CFG_KV, CFG_F are the rank's lanes, heads, kv heads
+// and ffn rows; CFG_LG the model's lanes) plus the exchanges of kccl.cuh. Everything it adds is
+// inside `#if KOG_NRANKS > 1`: with one rank the compiled code is the measured kernel's.
+#ifndef KOG_NRANKS
+#define KOG_NRANKS 1
+#endif
+#if KOG_NRANKS > 1
+#include "../../kccl/device/kccl.cuh"
+constexpr int NRK = KOG_NRANKS;            // ranks
+constexpr int LG = CFG_LG;                 // lanes of the model (L: lanes of this rank)
+static_assert(LG == L * NRK, "CFG_LG must be KOG_NRANKS * CFG_L");
+static_assert(NRK <= KCCL_MAX_RANKS, "too many ranks for kccl.cuh");
+#define SPIN(p, ptr, target) spin_mr(ptr, target)
+#else
+constexpr int LG = L;
+#define SPIN(p, ptr, target) spin_until(ptr, target)
+#endif
+
+// ---- units and weight layout (elements of wt), see workers/cuda/README.md -----------------------
+constexpr int NCH = (NB / KV) > 0 ? (NB / KV) : 1;         // attention chunks per kv head
+constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
+constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
+constexpr int NR_WO = (D % CFG_NR_WO == 0) ? CFG_NR_WO : 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
+constexpr int UPL_W13 = FL, U_W13 = L * FL;
+constexpr int NR_W2 = 2, UPL_W2 = D / NR_W2, U_W2 = L * UPL_W2;
+constexpr int U_LM = (V + 1) / 2;
+constexpr long long QKV_SZ = (long long)L * RQKV * D, WO_SZ = (long long)L * D * HDL;
+constexpr long long W13_SZ = (long long)L * FL * 2 * D, W2_SZ = (long long)L * D * FL;
+constexpr long long OFF_QKV = 0, OFF_WO = QKV_SZ, OFF_W13 = OFF_WO + WO_SZ, OFF_W2 = OFF_W13 + W13_SZ;
+constexpr long long LAYER_SZ = OFF_W2 + W2_SZ;
+constexpr int pow2_at_least(int v) { int p = 1; while (p < v) p <<= 1; return p; }
+constexpr int VPOW2 = pow2_at_least(V);
+constexpr int ATTP = HD + 2;                                // (acc[HD], m, l) per (unit, head)
+// counters (u64): per phase and lane, then ticket, token, token value, stop
+enum { C_QKV = 0, C_ATT = 1, C_WO = 2, C_W13 = 3, C_W2 = 4 };
+constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STOP = 5 * L + 3;
+constexpr int CTR_STRIDE = CFG_CTR_STRIDE;                   // u64 words between counters (16: own 128-byte line)
+constexpr int NCTR = (5 * L + 4) * CTR_STRIDE;
+#define CTR(p, k) ((p).ctr + (long long)(k) * CTR_STRIDE)
+
+// shared memory (floats)
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+// most lanes a block touches in a phase of U lane-major units (upl per lane): the staging area holds
+// only those (a smaller shared-memory carve-out leaves more L1: +100 KB of it cost 8% on the H200)
+constexpr int lanes_spanned(int U, int upl) {
+  int m = 1;
+  for (int b = 0; b < NB; ++b) {
+    const int a = (int)((long long)b * U / NB), e = (int)((long long)(b + 1) * U / NB);
+    if (e > a && (e - 1) / upl - a / upl + 1 > m) m = (e - 1) / upl - a / upl + 1;
+  }
+  return m;
+}
+constexpr int SM_STAGE = cmax(cmax(lanes_spanned(U_QKV, UPL_QKV) * D, lanes_spanned(U_W13, UPL_W13) * D),
+                              cmax(lanes_spanned(U_WO, UPL_WO) * HDL, lanes_spanned(U_W2, UPL_W2) * FL));
+constexpr int SM_ATT = G * HD + NW * G * HD + 2 * NW * G;
+constexpr int SM_LM = D;
+constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
+constexpr int CB_OFF = cmax(SM_STAGE, SM_ATT);   // WO / W2 combine staging: clear of attention's scratch
+constexpr int SM_MAIN = cmax(CB_OFF + 2 * CB_ROWS, SM_LM) + 16 * 8 + 16;
+#ifndef CFG_NORM2
+#define CFG_NORM2 1
+#endif
+// stage_norms2 (a block's QKV and W13 units span at most 2 lanes): the norm weights of its lanes in
+// shared memory, copied before the block waits for the residual
+constexpr bool NORM2 = CFG_NORM2 && lanes_spanned(U_QKV, UPL_QKV) <= 2 && lanes_spanned(U_W13, UPL_W13) <= 2 &&
+                       (L < 8 ? L : 8) >= 2 && D % 4 == 0;
+constexpr int WBUF_OFF = ((SM_MAIN + 3) / 4) * 4;
+constexpr int GS_OFF = WBUF_OFF + PFS / 4;                       // [2][D] norm weights (NORM2)
+constexpr int SM_FLOATS = GS_OFF + (NORM2 ? 2 * D : 0);         // + the weight buffer (16-byte aligned)
+static_assert(SM_FLOATS * 4 <= 225 * 1024, "shared memory: lower CFG_PFS");
+// units' sizes in elements of wt
+constexpr int UE_QKV = 2 * D, UE_WO = NR_WO * HDL, UE_W13 = 2 * D, UE_W2 = NR_W2 * FL, UE_LM = 2 * D;
+// the first units of the block's range copied into shared memory; returns how many there will be
+__device__ __forceinline__ int wbuf_fill(float* sm, const wt* src, int nunits, int ue, bool issue) {
+  if (PFS == 0 || nunits <= 0) return 0;
+  const int nb = min(nunits, PFS / (ue * (int)sizeof(wt)));
+  if (issue) {
+    const long long bytes = (long long)nb * ue * sizeof(wt);
+    char* dst = reinterpret_cast<char*>(sm + WBUF_OFF);
+    for (long long off = (long long)threadIdx.x * 16; off < bytes; off += NT * 16)
+      cp_async16(dst + off, reinterpret_cast<const char*>(src) + off);
+    cp_async_commit();
+  }
+  return nb;
+}
+
+struct Params {                  // every field 8 bytes; backend.py fills it in this order
+  const wt* w;                   // 0  layer weights [NL][QKV|WO|W13|W2]
+  const float* norms;            // 1  [NL][2][L][D] (attention_norm, ffn_norm)
+  const float* fnorm;            // 2  [L][D]
+  const wt* emb;                 // 3  [V][D]
+  const wt* lm;                  // 4  [V][D]
+  wt* kc;                        // 5  [NL][KV][max_seq][HD]
+  wt* vc;                        // 6
+  float* q;                      // 7  [H][HD]
+  float* attp;                   // 8  [KV][NCH][G][HD+2]
+  float* hid;                    // 9  [L][FL]
+  float* part;                   // 10 [NL][2][L][D]
+  float* hres;                   // 11 [2NL+1][L][D]
+  float* logits;                 // 12 [V]
+  float* cand_v;                 // 13 [NB]
+  int* cand_i;                   // 14 [NB]
+  u64* ctr;                      // 15 [NCTR], zero at launch
+  u64* sortbuf;                  // 16 [VPOW2]
+  float* dbg_logits;             // 17 [max_new][V] or null
+  int* ring;                     // 18 host-mapped [max_new] token ids
+  int* status;                   // 19 host-mapped [4]: count, reason, done
+  const int* cancel;             // 20 host-mapped flag
+  long long start_pos;           // 21 position of the first fed token
+  long long first_token;         // 22
+  long long max_new;             // 23
+  long long max_seq;             // 24
+  double temperature;            // 25
+  double top_p;                  // 26
+  long long top_k;               // 27
+  u64 seed;                      // 28
+  long long n_stop;              // 29
+  long long n_eos;               // 30
+  long long stop_ids[16];        // 31..46
+  long long eos_ids[8];          // 47..54
+  u64* timing;                   // 55 [5NL+2][NB][TMARKS] globaltimer marks of one token, or null
+  long long timing_token;        // 56
+  const float2* rope;            // 57 [max_seq][HD/2] (cos, sin) of position * theta^(-2k/HD)
+#if KOG_NRANKS > 1
+  const KcclDev* kd;             // 58 CudaCommunicator.dev_ptr
+  long long e0[3];               // 59..61 first epoch of this launch on channels attn, mlp, final
+  float* yfin;                   // 62 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
+#endif
+};
+
+__device__ __forceinline__ u64 gtimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+// phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done,
+// 3 inputs staged, the row loop starts, 4 rows done, before the signal; 3 and 4 in QKV, WO, W13, W2)
+constexpr int TMARKS = 5;
+__device__ __forceinline__ void tmark(const Params& p, int n, int ph, int k) {
+  if (p.timing && n == p.timing_token && threadIdx.x == 0)
+    p.timing[((long long)ph * NB + blockIdx.x) * TMARKS + k] = gtimer();
+}

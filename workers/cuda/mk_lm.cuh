@@ -1,0 +1,206 @@
+// mk_lm.cuh: part of monokernel.cu (pasted in place after the phases of the layers; not a standalone
+// header). Full sampling (sample_full) and the LM head phase (final norm, LM rows, each block's best
+// candidate; the last block picks or samples the token, writes it to the host's ring, checks the stops).
+#pragma once
+
+// full sampling (temperature / top-k / top-p) by one block; returns the token in every thread
+__device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter) {
+  double* dred = reinterpret_cast<double*>(sm);    // [NW + 4]
+  int* ired = reinterpret_cast<int*>(sm + 2 * (NW + 8));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  u64* buf = p.sortbuf;
+  // keys: logits descending (= probability descending), then index ascending
+  for (int v = tid; v < VPOW2; v += NT) {
+    u64 key = 0;
+    if (v < V) {
+      u32 b = __float_as_uint(ldf(p.logits + v));
+      b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);      // orderable
+      key = ((u64)b << 32) | (u64)(0xffffffffu - (u32)v);
+    }
+    buf[v] = key;
+  }
+  __syncthreads();
+  for (int k = 2; k <= VPOW2; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int x = tid; x < VPOW2; x += NT) {
+        const int y = x ^ j;
+        if (y > x) {
+          const u64 a = __ldcg(buf + x), b = __ldcg(buf + y);
+          const bool desc = (x & k) == 0;
+          if (desc ? (a < b) : (a > b)) { buf[x] = b; buf[y] = a; }
+        }
+      }
+      __syncthreads();
+    }
+  auto idx_of = [&](u64 key) { return (int)(0xffffffffu - (u32)(key & 0xffffffffu)); };
+  const double T = p.temperature;
+  const double zmax = (double)ldf(p.logits + idx_of(__ldcg(buf))) / T;
+  const int K = (p.top_k > 0 && p.top_k < V) ? (int)p.top_k : V;
+  // each thread owns a contiguous segment of the first K sorted candidates
+  const int seg = (K + NT - 1) / NT;
+  const int a = min(K, tid * seg), b = min(K, a + seg);
+  double loc = 0.0;
+  for (int x = a; x < b; ++x) loc += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+  // exclusive scan of the segment sums (thread order = sorted order)
+  double incl = loc;
+  for (int o = 1; o < 32; o <<= 1) {
+    double y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) dred[warp] = incl;
+  __syncthreads();
+  if (tid == 0) {
+    double run = 0.0;
+    for (int w = 0; w < NW; ++w) { double t = dred[w]; dred[w] = run; run += t; }
+    dred[NW] = run;
+  }
+  __syncthreads();
+  const double before = dred[warp] + incl - loc;
+  const double total = dred[NW];
+  int Kp = K;
+  double total2 = total;
+  if (p.top_p < 1.0) {
+    if (tid == 0) ired[0] = K;
+    __syncthreads();
+    double c = before;
+    for (int x = a; x < b; ++x) {
+      c += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+      if (c / total >= p.top_p) { atomicMin(ired, x + 1); break; }
+    }
+    __syncthreads();
+    Kp = ired[0];
+    __syncthreads();
+    // total of the kept prefix: recompute by the owner of its last element
+    if (a < Kp && Kp <= b) {
+      double c2 = before;
+      for (int x = a; x < Kp; ++x) c2 += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+      dred[NW + 1] = c2;
+    }
+    __syncthreads();
+    total2 = dred[NW + 1];
+  }
+  const double u = uniform01(p.seed, counter);
+  if (tid == 0) ired[1] = Kp - 1;
+  __syncthreads();
+  {
+    double c = before;
+    for (int x = a; x < min(b, Kp); ++x) {
+      c += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
+      if (c / total2 > u) { atomicMin(ired + 1, x); break; }
+    }
+  }
+  __syncthreads();
+  const int tok = idx_of(__ldcg(buf + ired[1]));
+  __syncthreads();
+  return tok;
+}
+
+// returns false when the generation ends with this token
+__device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
+  int ua, ub;
+  tmark(p, n, 5 * NL, 0);
+  brange(U_LM, ua, ub);
+  const int nbuf = wbuf_fill(sm, p.lm + (long long)ua * UE_LM, ub - ua, UE_LM, true);
+  prefetch_l2(p.lm + (long long)(ua + nbuf) * UE_LM, (long long)(ub - ua - nbuf) * UE_LM * sizeof(wt), PF);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  float* y = sm;
+  float* red = sm + SM_MAIN - 16 * 8 - 16;
+  __shared__ float bv[NW];
+  __shared__ int bi[NW];
+  __shared__ int last;
+  float best = NEG_INF;
+  int besti = 0x7fffffff;
+  if (ua < ub) {
+    if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
+    __syncthreads();
+    tmark(p, n, 5 * NL, 1);
+    cp_async_wait_all();
+#if KOG_NRANKS > 1
+    mr_final(p, n, tok, red, y);
+#else
+    final_norms(p, tok, red, nullptr, y);
+#endif
+    __syncthreads();
+    for (int u = ua + warp; u < ub; u += NW) {
+      const int r0 = 2 * u;
+      float acc[2];
+      if (u - ua < nbuf)
+        warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_LM, min(2, V - r0), y, acc);
+      else
+        warp_dot<2, D>(p.lm + (long long)r0 * D, min(2, V - r0), y, acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (r0 + r < V) {
+            p.logits[r0 + r] = acc[r];
+            if (p.dbg_logits) p.dbg_logits[(long long)n * V + r0 + r] = acc[r];
+            if (acc[r] > best) { best = acc[r]; besti = r0 + r; }
+          }
+      }
+    }
+  }
+  if (lane == 0) { bv[warp] = best; bi[warp] = besti; }
+  __syncthreads();
+  tmark(p, n, 5 * NL, 2);
+  if (tid == 0) {
+    for (int w = 0; w < NW; ++w)
+      if (bv[w] > best || (bv[w] == best && bi[w] < besti)) { best = bv[w]; besti = bi[w]; }
+    p.cand_v[blockIdx.x] = best;
+    p.cand_i[blockIdx.x] = besti;
+    __threadfence();
+    const u64 tk = atomicAdd(CTR(p, C_TICKET), 1ull);
+    last = (tk == (u64)(n + 1) * NB - 1);
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  // ---- the last block to finish the LM head samples the token ----
+  const bool greedy = p.temperature <= 0.0 || p.top_k == 1;
+  const u64 counter = (u64)(p.start_pos + n + 1);
+  int next;
+  if (greedy) {
+    if (tid == 0) {
+      float bb = NEG_INF;
+      int bidx = 0x7fffffff;
+      for (int b = 0; b < NB; ++b) {
+        const float v = ldf(p.cand_v + b);
+        const int ix = __ldcg(p.cand_i + b);
+        if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
+      }
+      if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
+      last = bidx;
+    }
+    __syncthreads();
+    next = last;
+  } else {
+    next = sample_full(p, sm, counter);
+  }
+#if KOG_NRANKS > 1
+  if (mr_bail()) return;                 // an exchange of this token failed: write no token
+#endif
+  if (tid == 0) {
+    volatile int* ring = p.ring;
+    volatile int* st = p.status;
+    ring[n] = next;
+    __threadfence_system();
+    st[0] = n + 1;
+    int reason = 0;
+    for (int k = 0; k < p.n_eos; ++k) if (p.eos_ids[k] == next) reason = 1;
+    if (!reason) for (int k = 0; k < p.n_stop; ++k) if (p.stop_ids[k] == next) reason = 2;
+    if (!reason && n + 1 >= p.max_new) reason = 3;
+#if KOG_NRANKS > 1
+    if (!reason && mr_cancel_s) reason = 4;    // any rank's host raised cancel (the same on every rank)
+#else
+    if (!reason && *(volatile const int*)p.cancel) reason = 4;
+#endif
+    if (reason) {
+      st[1] = reason;
+      __threadfence_system();
+      st[2] = 1;
+    }
+    *CTR(p, C_TOKVAL) = (u64)next;
+    *CTR(p, C_STOP) = (u64)reason;
+    st_release(CTR(p, C_TOKEN), (u64)(n + 1));
+  }
+  __syncthreads();
+}

@@ -1,0 +1,111 @@
+// mk_multirank.cuh: part of monokernel.cu (pasted in place after mk_layout.cuh; not a standalone
+// header). The exchanges between ranks, all under `#if KOG_NRANKS > 1`: epochs, the spin that watches
+// the abort word, LL words of the partials (mr_put, mr_part, mr_lane_sum). The final rows' exchange
+// (mr_final) needs the norms, so it is in mk_combine.cuh.
+#pragma once
+
+#if KOG_NRANKS > 1
+// ---- exchanges between ranks (kccl.cuh; docs/monokernel.md "multi-rank") ------------------------
+// Channels (CudaCommunicator tags in create order): 1 "attn" (kind 0), 2 "mlp" (kind 1), 3 "final".
+// A posted layer's partials travel as LL words (kccl.cuh): the thread that computes row r of own lane
+// l stores {value, epoch tag} straight into that row's word in every peer's window, and a reader polls
+// the words of the rows it needs: no fence, counter, flag or ack on the per-layer path. Own lanes are
+// read from p.part after their counters, as with one rank, and a reader sums all LG lanes in lane
+// order: the same bits as the one-rank kernel. Slot reuse needs no ack because a rank's post of
+// epoch e implies every reader is past epoch e - MR_DEPTH (MR_DEPTH >= 2 * DELTA + 2; the argument is
+// in docs/monokernel.md "multi-rank"). The final rows keep kccl's flag protocol (one post a token).
+// Epoch of (kind, token n, layer i): e0[kind] + n * NPOST + mr_index(i); of the final rows: e0[2] + n.
+// workers/cuda/multirank.py computes the same schedule on the host (and tests it).
+constexpr int MR_DEPTH = CFG_MR_DEPTH;   // ring slots of every channel (multirank.depth)
+static_assert(MR_DEPTH >= 2 * DELTA + 2, "multi-rank: LL slots need a ring of 2 * delta + 2");
+__shared__ KcclDev kds;          // this rank's KcclDev, copied at launch
+__shared__ int mr_flag_s, mr_cancel_s, mr_n_s;
+enum { CH_FIN = 3 };
+constexpr int FIN_FLOATS = L * D + 4;   // final payload: the rank's L normed rows, then its cancel word
+// layers whose partials are posted: read by the early all-reduce and/or DELTA layers later
+__host__ __device__ constexpr bool mr_posted(int i) {
+  return USE_COMM && ((i < DELTA && USE_EARLY) || (i + DELTA < NL && (i >= DELTA || EARLY_FUTURE)));
+}
+// the partials of layer i are read again by the producers of layer i + DELTA (== has_delayed(i + DELTA))
+__host__ __device__ constexpr bool mr_read_later(int i) {
+  return USE_COMM && i + DELTA < NL && (i >= DELTA || EARLY_FUTURE);
+}
+__host__ __device__ constexpr int mr_index(int i) {
+  int k = 0;
+  for (int j = 0; j < i; ++j) k += mr_posted(j) ? 1 : 0;
+  return k;
+}
+constexpr int NPOST = mr_index(NL);      // epochs per token and kind
+// blocks with at least one unit of a U-unit phase (they post its epoch)
+__host__ __device__ constexpr int nposters(int U) {
+  int c = 0;
+  for (int b = 0; b < NB; ++b) c += ((long long)(b + 1) * U / NB > (long long)b * U / NB) ? 1 : 0;
+  return c;
+}
+static_assert(U_LM >= NB, "multi-rank: every block must own LM rows (it reads the final exchange)");
+static_assert(NL > DELTA || !USE_COMM || !USE_EARLY, "multi-rank: the last layer may not be an early all-reduce");
+__device__ __forceinline__ u64 mr_epoch(const Params& p, int kind, int n, int i) {
+  return (u64)(p.e0[kind] + (long long)n * NPOST + mr_index(i));
+}
+// this rank failed a kccl wait (device memory: cheap). The host's abort word (a peer died) is
+// host-mapped, a PCIe read: only the spins look at it, and they record it here (kccl_fail)
+__device__ __forceinline__ bool mr_dead() { return kccl_failed(kds); }
+// the monokernel's own counters, polled so that the grid leaves once the rank failed
+__device__ __forceinline__ void spin_mr(const u64* ptr, u64 target) {
+  for (unsigned it = 1; ld_acquire(ptr) < target; ++it)
+    if ((it & 1023u) == 0) {
+      if (kds.abort && *(volatile const int*)kds.abort) kccl_fail(kds, KCCL_ERR_ABORTED, -1, 0, 0, 0);
+      if (mr_dead()) return;
+    }
+}
+// block-uniform: leave the kernel?
+__device__ __forceinline__ bool mr_bail() {
+  __syncthreads();
+  if (threadIdx.x == 0) mr_flag_s = mr_dead();
+  __syncthreads();
+  return mr_flag_s != 0;
+}
+// byte offset of src's LL words of (channel c, epoch e) in any rank's window
+__device__ __forceinline__ long long mr_ll_off(int c, int src, u64 e) {
+  return kds.slot_off[c] + ((long long)src * MR_DEPTH + (long long)(e % (u64)MR_DEPTH)) * kds.slot_bytes + KCCL_META_BYTES;
+}
+// a producer's row r of own lane l, value v: into every peer's window (off: mr_ll_off(c, rank, e))
+__device__ __forceinline__ void mr_put(long long off, unsigned tag, int l, int r, float v) {
+#pragma unroll
+  for (int q = 0; q < NRK; ++q)
+    if (q != (int)kds.rank) kccl_ll_st((u64*)(kds.base[q] + off) + (long long)l * D + r, tag, __float_as_uint(v));
+}
+// The partials of one posted (layer, kind) as a reader sees them: own lanes in p.part, the others'
+// LL words in this rank's window.
+struct MrPart {
+  const float* own;     // p.part of the layer and kind: [L][D]
+  const char* ll;       // this rank's window + mr_ll_off(c, 0, e): source q's words at q * stride
+  long long stride;
+  unsigned tag;
+  int c;
+};
+__device__ __forceinline__ MrPart mr_part(const Params& p, int kind, int n, int i) {
+  const u64 e = mr_epoch(p, kind, n, i);
+  return MrPart{p.part + (long long)(i * 2 + kind) * L * D, kds.base[kds.rank] + mr_ll_off(1 + kind, 0, e),
+                (long long)MR_DEPTH * kds.slot_bytes, (unsigned)e, 1 + kind};
+}
+// sum over all LG lanes (lane order) of element r; own: lane g's value
+__device__ __noinline__ float mr_lane_sum(const MrPart& m, int r, int g, float* own) {
+  float P[LG];
+  const int me = (int)kds.rank;
+#pragma unroll
+  for (int j = 0; j < LG; ++j) {
+    const int q = j / L;
+    P[j] = q == me ? ldf(m.own + (j % L) * D + r)
+                   : __uint_as_float(kccl_ll_get(kds, (const u64*)(m.ll + q * m.stride) + (j % L) * D + r, m.tag, q, m.c));
+  }
+  float tot = P[0], o = P[0];
+#pragma unroll
+  for (int j = 1; j < LG; ++j) {
+    tot += P[j];
+    if (j == g) o = P[j];
+  }
+  if (own) *own = o;
+  return tot;
+}
+#endif
