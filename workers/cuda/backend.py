@@ -189,7 +189,7 @@ class CudaBackend(Backend):
             timing_token: int | None = None) -> RunResult:
         """Backend.run; ignore_eos (benchmarks), dbg_logits (a [max_new, V] float32 device array that
         receives every step's logits) and timing_token (record per-phase clock marks of that decode step
-        into self.last_timing, [5N+2, blocks, 5] ns: monokernel.cu tmark) are for tests and benchmarks."""
+        into self.last_timing, [5N+2, blocks, 5] ns: mk_layout.cuh tmark) are for tests and benchmarks."""
         self._timing_token = timing_token
         cp, cfg = self.cp, self.cfg
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)

@@ -8,7 +8,7 @@ KINDS = ("qkv", "att", "wo", "w13", "w2")
 
 
 def phase_breakdown(timing: np.ndarray, num_layers: int) -> dict:
-    """timing [5N+2, blocks, 3 or 5] globaltimer ns (0 = block had no work; monokernel.cu tmark). Returns,
+    """timing [5N+2, blocks, 3 or 5] globaltimer ns (0 = block had no work; mk_layout.cuh tmark). Returns,
     per phase kind, summed over layers: the time from the end of the previous phase (last block) to the
     end of this one (last block); the median per-block wait (entry -> inputs ready) and busy (inputs
     ready -> done); with 5 marks also the median staging (inputs ready -> row loop), rows (the row loop)

@@ -75,7 +75,7 @@ SMEM_LIMIT = 225 * 1024
 
 
 def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 512, norm2: bool = True) -> int:
-    """The monokernel's dynamic shared memory (monokernel.cu SM_FLOATS * 4, without CFG_PFS): the inputs of
+    """The monokernel's dynamic shared memory (mk_layout.cuh SM_FLOATS * 4, without CFG_PFS): the inputs of
     the lanes a block touches in a phase (its staging area), the combine staging of its rows, the
     attention scratch, the LM head's input; plus the norm weights of stage_norms2 (NORM2)."""
     D, L, HD, nw = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, nthreads // 32

@@ -1,10 +1,10 @@
 """Host logic of the multi-rank `cuda` backend (N ranks, N divides num_lanes): rank r's monokernel is the
 one-rank kernel of the rank's sub-model (lanes [r*L/N, (r+1)*L/N), with their heads, kv heads and ffn
-rows) plus the kccl exchanges of monokernel.cu (`#if KOG_NRANKS > 1`, docs/monokernel.md "multi-rank").
+rows) plus the kccl exchanges of the monokernel (mk_multirank.cuh and `#if KOG_NRANKS > 1`, docs/monokernel.md "multi-rank").
 
 Everything here is plain Python (no CuPy), so tests/test_cuda_multirank.py checks it on a CPU: the lane
 ranges, the kernel's compile-time defines, the epoch schedule the kernel follows (mirrors mr_posted /
-mr_read_later / mr_index of monokernel.cu), the LL ring depth and the communicator's slot sizes.
+mr_read_later / mr_index of mk_multirank.cuh), the LL ring depth and the communicator's slot sizes.
 
 Run on one H200 under MPS (N = 2, 4, 8 ranks give the one-rank and numpy ids; a killed rank makes the others
 raise PeerLost) and on two H200s (N = 2: the one-rank ids, 791 tokens/s against 714 for one GPU; BENCHMARKS.md).
@@ -71,7 +71,7 @@ def blocks_per_rank(cfg, sms: int, ranks_on_device: int) -> int:
     return nb if nb >= 0.85 * share and nb > 0 else share
 
 
-# ---- the epoch schedule (monokernel.cu mr_posted / mr_read_later / mr_index) ----------------------
+# ---- the epoch schedule (mk_multirank.cuh mr_posted / mr_read_later / mr_index) ----------------------
 def posted(cfg, i: int) -> bool:
     """Layer i's partials are posted (both kinds): read by the early all-reduce and/or delta layers later."""
     d, N = cfg.broadcast_delay, cfg.num_hidden_layers
@@ -113,7 +113,7 @@ def schedule(cfg, e0: int = 1, tokens: int = 1):
 
 
 def depth(cfg) -> int:
-    """Ring depth of every tag. The layers' partials travel as LL words with no acks (monokernel.cu): a
+    """Ring depth of every tag. The layers' partials travel as LL words with no acks (mk_multirank.cuh, mr_put): a
     rank that posts epoch e of a tag has read, in the block that posts, the rows of layer e - delta from
     every rank, so the blocks owning those rows are in that layer and every lane of every rank is done
     through the layer before it, reads of layer e - 2*delta - 1 included. A ring of 2*delta + 2 leaves
