@@ -85,35 +85,39 @@ __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl
 }
 
 #if KOG_NRANKS > 1
-// the final norm's lane mean over every rank: block 0 posts the rank's normed rows (written straight
-// into p.yfin) and the host's cancel word; every block sums the LG rows in lane order into y
+// the final norm's lane mean over every rank: block 0 writes the rank's normed rows (straight into p.yfin)
+// and the host's cancel word as LL words into every window, its own included; every block sums the LG rows
+// in lane order into y. No acks: a rank posts token n + 2's rows only after every block of every rank
+// read token n's (each block reads them before its rank's sampler can give token n + 1, which every
+// rank's layer words of token n + 1 wait for), and the ring holds MR_DEPTH >= 6 tokens.
 __device__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y);
 __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) {
   const u64 e = (u64)(p.e0[2] + n);
+  const unsigned tag = (unsigned)e;
   if (blockIdx.x == 0) {
-    const bool ok = kccl_post_begin(kds, CH_FIN, e);
     final_norms(p, tok, red, p.yfin, nullptr);
     if (threadIdx.x == 0) p.yfin[L * D] = __int_as_float(*(volatile const int*)p.cancel);
     __syncthreads();
-    if (ok) {
-      kccl_post_chunk(kds, CH_FIN, e, p.yfin, 0, 4LL * FIN_FLOATS);
-      kccl_post_end(kds, CH_FIN, e, 1, 4LL * FIN_FLOATS, 3);
+    const long long off = mr_ll_off(CH_FIN, (int)kds.rank, e);
+    for (int x = threadIdx.x; x <= L * D; x += NT) {
+      const unsigned v = __float_as_uint(p.yfin[x]);
+#pragma unroll
+      for (int q = 0; q < NRK; ++q) kccl_ll_st((u64*)(kds.base[q] + off) + x, tag, v);
     }
   }
-  kccl_wait(kds, CH_FIN, e);
-  const char* p0 = kccl_slot(kds, CH_FIN, 0, e);                 // rank q's rows: q * st further
-  const long long st = (long long)MR_DEPTH * kds.slot_bytes;
+  const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, e));   // rank q's: q * st further
+  const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
   for (int d = threadIdx.x; d < D; d += NT) {
-    float a = __ldcg((const float*)p0 + d);
-    for (int j = 1; j < LG; ++j) a += __ldcg((const float*)(p0 + (j / L) * st) + (j % L) * D + d);
+    float a = __uint_as_float(kccl_ll_get(kds, w0 + d, tag, 0, CH_FIN));
+    for (int j = 1; j < LG; ++j)
+      a += __uint_as_float(kccl_ll_get(kds, w0 + (j / L) * st + (j % L) * D + d, tag, j / L, CH_FIN));
     y[xp(d, D)] = a / (float)LG;
   }
   if (threadIdx.x == 0) {
     int c = 0;
-    for (int r = 0; r < NRK; ++r) c |= __float_as_int(__ldcg((const float*)(p0 + r * st) + L * D));
+    for (int r = 0; r < NRK; ++r) c |= (int)kccl_ll_get(kds, w0 + r * st + L * D, tag, r, CH_FIN);
     mr_cancel_s = c;
   }
-  kccl_collect_end(kds, CH_FIN, e, NB);
 }
 #endif
 

@@ -13,7 +13,7 @@
 // read from p.part after their counters, as with one rank, and a reader sums all LG lanes in lane
 // order: the same bits as the one-rank kernel. Slot reuse needs no ack because a rank's post of
 // epoch e implies every reader is past epoch e - MR_DEPTH (MR_DEPTH >= 2 * DELTA + 2; the argument is
-// in docs/monokernel.md "multi-rank"). The final rows keep kccl's flag protocol (one post a token).
+// in docs/monokernel.md "multi-rank"). The final rows (once a token) travel as LL words too (mr_final).
 // Epoch of (kind, token n, layer i): e0[kind] + n * NPOST + mr_index(i); of the final rows: e0[2] + n.
 // workers/cuda/multirank.py computes the same schedule on the host (and tests it).
 constexpr int MR_DEPTH = CFG_MR_DEPTH;   // ring slots of every channel (multirank.depth)

@@ -127,8 +127,9 @@ def final_floats(cfg, nranks: int) -> int:
 
 
 def ll_floats(cfg, nranks: int) -> int:
-    """A posted layer as LL words: the rank's partials [L/N][D], 8 bytes (2 floats of slot) each."""
-    return 2 * (cfg.num_lanes // nranks) * cfg.hidden_size
+    """The biggest LL post, 8 bytes (2 floats of slot) a word: a layer's partials [L/N][D], or the final
+    rows [L/N][D] and the cancel word."""
+    return 2 * ((cfg.num_lanes // nranks) * cfg.hidden_size + 1)
 
 
 def max_floats(cfg, nranks: int) -> int:
