@@ -159,8 +159,25 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--json-out", help="also write the JSON report to this file")
+    ap.add_argument("--np", type=int, default=1, dest="nranks",
+                    help="ranks of the multi-rank cuda backend, one per GPU, started under mpiexec / mpirun / srun")
+    from .bench_mr import IN_MPI
+    ap.add_argument(IN_MPI, action="store_true", dest="in_mpi", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     from workers.factory import cuda_available
+    if args.nranks != 1 and not args.in_mpi:
+        err = _check_np(args)
+        if err is None and not cuda_available():
+            err = "--np runs the multi-rank cuda backend: it needs CuPy and a CUDA GPU on every rank"
+        if err:
+            print(f"kog bench: error: {err}", file=sys.stderr)
+            return 2
+        from .bench_mr import launch
+        return launch(argv, args.nranks)
+    if args.in_mpi:
+        from .bench_mr import run_rank
+        return run_rank(args, _say, _emit)
     if args.backend == "cpu" or (args.backend == "auto" and not cuda_available()):
         if args.shape:
             print("kog bench: error: --shape makes its weights on a GPU; on the cpu backend give --model DIR",
@@ -244,6 +261,21 @@ def main(argv=None) -> int:
             b["GB_per_s"] = b["tokens_per_s"] * mk["streamed_bytes_per_token"] / 1e9
             b["fraction_of_copy_bw"] = b["GB_per_s"] * 1e9 / bw
     return _emit(report, args)
+
+
+def _check_np(args) -> str | None:
+    """Why `--np N` cannot run, in one line (before any rank starts), or None."""
+    if args.nranks < 1:
+        return f"--np must be >= 1 (got {args.nranks})"
+    if args.backend == "cpu":
+        return "--np runs the multi-rank cuda backend; the cpu backend's bench is one process"
+    try:
+        from kog_dist.config import load_config
+        from workers.cuda.multirank import check
+        check(shape_config(args.shape) if args.shape else load_config(args.model), args.nranks)
+    except (ValueError, OSError) as e:
+        return str(e).splitlines()[0]
+    return None
 
 
 def _emit(report: dict, args) -> int:

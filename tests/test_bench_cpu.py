@@ -31,3 +31,24 @@ def test_cpu_bench_json_and_table(tmp_path):
 def test_cpu_bench_refuses_shape():
     r = kog("bench", "--backend", "cpu", "--shape", "2b")
     assert r.returncode == 2 and "--shape makes its weights on a GPU" in r.stderr
+
+
+def test_np_is_checked_before_any_rank_starts(tmp_path):
+    """`kog bench --np N` (the multi-rank cuda backend under the MPI launcher): bad rank counts and
+    backends are one-line errors with exit 2; on a machine without a GPU it says so instead of launching."""
+    d = str(tmp_path / "m")
+    write_tiny_checkpoint(d, num_lanes=4)
+    for args, why in ((("--shape", "2b", "--np", "3"), "3 ranks do not divide num_lanes=8"),
+                      (("--model", d, "--np", "8"), "8 ranks do not divide num_lanes=4"),
+                      (("--model", d, "--np", "0"), "--np must be >= 1"),
+                      (("--model", d, "--np", "2", "--backend", "cpu"), "the cpu backend's bench is one process"),
+                      (("--model", str(tmp_path / "nope"), "--np", "2"), "does not exist")):
+        r = kog("bench", *args)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    try:
+        import cupy  # noqa: F401
+        return       # a GPU machine would launch the ranks: tests/gpu_multigpu.sh covers that
+    except ImportError:
+        pass
+    r = kog("bench", "--model", d, "--np", "2")
+    assert r.returncode == 2 and "needs CuPy and a CUDA GPU on every rank" in r.stderr
