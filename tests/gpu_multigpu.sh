@@ -10,6 +10,7 @@
 #   kccl   python -m kccl.bench --transport cuda_ipc for N in NS (N > 1), NCCL beside it (ranks on distinct GPUs)
 #   bench  tests/bench_multirank.py: 2B decode tokens/s and first ids for N in NS (compare the ids lines);
 #          BENCH_PROFILE=1: also every rank's per-phase breakdown of decode step 200
+#   kogbench  `kog bench --shape 2b --np N` for N in NS (the user's command: table with GB/s per GPU)
 # NS defaults to 1 2 4 8 up to the number of GPUs. NCCL_NVLS_ENABLE=0: no NVLink multicast objects.
 OUT=${OUT:-/tmp/kog_mg_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -19,7 +20,7 @@ PY=$(command -v python3)        # mpirun starts ranks with a login shell's PATH:
 MPI="$KCCL_MPIEXEC --allow-run-as-root -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE"
 G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NS=${NS:-$(for n in 1 2 4 8; do [ "$n" -le "${G:-1}" ] && echo -n "$n "; done)}
-STEPS=${STEPS:-"info topo build ids kccl bench"}
+STEPS=${STEPS:-"info topo build ids kccl bench kogbench"}
 DEADLINE=${DEADLINE:-420}
 K="$PY -m kog_dist.cli"
 . "$(dirname "$0")/gpu_steps.sh"   # log, left, run
@@ -67,6 +68,8 @@ kccl) for n in $NS; do [ "$n" -gt 1 ] && run kccl_n$n 90 $MPI -n $n $PY -m kccl.
 bench) for n in $NS; do run bench_n$n 120 $MPI -n $n $PY tests/bench_multirank.py ${BENCH_TOKENS:-512} ${BENCH_PROFILE:+profile}; done
        grep -h BENCH "$OUT"/bench_n*.log | tee -a "$OUT/summary.txt"
        grep -h -A8 PROFILE "$OUT"/bench_n*.log >>"$OUT/summary.txt" ;;
+kogbench) for n in $NS; do run kogbench_n$n 150 $K bench --shape 2b --np $n --ctx 0 --baselines none --reps 3; done
+       grep -h "tg512\|copy bandwidth (measured" "$OUT"/kogbench_n*.log | tee -a "$OUT/summary.txt" ;;
 *) log "unknown step $step" ;;
 esac; done
 log "done in ${SECONDS}s"
