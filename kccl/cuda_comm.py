@@ -39,6 +39,15 @@ class CudaHandle:
         return f"CudaHandle({self.tag!r}, epoch={self.epoch}, shape={self.shape})"
 
 
+class _At:
+    """A device address where _launch expects an array (its .data.ptr): a piece of a larger array."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, ptr: int):
+        self.data = type("Ptr", (), {"ptr": ptr})()
+
+
 class _Chan:
     __slots__ = ("id", "name", "depth", "send_epoch", "collected", "ll")
 
@@ -185,6 +194,30 @@ class CudaCore:
         self._run(ch, OP_ALLREDUCE, M_POST | M_WAIT | M_SUM | M_ACK, 0, x, x.nbytes, out, x.nbytes,
                   0 if x.dtype == cp.float32 else 1, x.nbytes, "allreduce")
         return out
+
+    def allreduce_pieces(self, x, piece: int | None = None):
+        """In place: a contiguous float32/float16 device array of any length summed over ranks, in pieces of
+        at most `piece` elements (default: a slot). Every piece's kernel is queued on the stream at once and
+        the host waits once (a wait per piece costs ~50 us: the multi-rank prefill made thousands)."""
+        cp = self._cp()
+        self._check_usable()
+        if x.dtype not in (cp.float32, cp.float16) or not x.flags.c_contiguous or x.data.ptr % 16:
+            raise ValueError("allreduce_pieces needs a C-contiguous, 16-byte aligned float32/float16 device array")
+        isz = np.dtype(x.dtype).itemsize
+        piece = min(self.layout.payload_bytes // isz, piece or 1 << 62) // 8 * 8    # pieces stay 16-byte aligned
+        if piece < 8:
+            raise ValueError(f"allreduce_pieces: pieces of {piece} elements (8 at least)")
+        ch, total = self._chans[COLL], x.nbytes // isz
+        for a in range(0, total, piece):
+            v = _At(x.data.ptr + a * isz)
+            nbytes = min(piece, total - a) * isz
+            e = ch.send_epoch + 1
+            self._launch(ch.id, e, OP_ALLREDUCE, M_POST | M_WAIT | M_SUM | M_ACK, 0, v, nbytes, v, nbytes,
+                         0 if x.dtype == cp.float32 else 1, nbytes)
+            ch.send_epoch = e
+        self._finish("allreduce")
+        ch.collected = ch.send_epoch
+        return x
 
     def broadcast(self, x, root: int = 0):
         """Root's device array into `x` on every rank, in place (same shape and dtype everywhere)."""

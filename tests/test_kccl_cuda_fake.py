@@ -379,17 +379,21 @@ def k_peek(args):
 
 
 class _Stream:
-    """A launch runs in a thread (the kernel runs while the host waits and watches)."""
+    """A launch runs in a thread (the kernel runs while the host waits and watches); a launch while the
+    previous kernel runs queues behind it, in order, as on a CUDA stream."""
 
     def __init__(self):
         self.t, self.exc = None, None
 
     def launch(self, impl, args):
-        assert self.t is None or not self.t.is_alive(), "launch while the previous kernel runs"
+        prev = self.t
 
         def run():
+            if prev is not None:
+                prev.join()
             try:
-                impl(args)
+                if self.exc is None:          # a failed kernel: the queued ones do not run
+                    impl(args)
             except BaseException as exc:  # noqa: BLE001
                 self.exc = exc
 
@@ -917,3 +921,29 @@ def test_backend_reports_peer_lost_when_the_kernel_faulted(ctx, tmp_path):
 
     _, errs = _ranks(2, body, tmp_path)
     assert errs == [None, None], errs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_allreduce_pieces_queues_every_piece(fake_cupy, tmp_path, n):
+    """allreduce_pieces: an array of several slots summed in place over ranks, bit for bit the rank-order
+    sum, with one host wait; every piece is one epoch of the collective channel."""
+    import cupy as cp
+
+    def body(r, rdv):
+        comm = K.CudaCommunicator.create(rdv, max_floats=256, depth=3, tags=("attn",), timeout=5)
+        for size, dt in ((256 * 5 + 24, np.float32), (1000, np.float16)):
+            parts = [np.random.default_rng([size, q]).standard_normal(size).astype(dt) for q in range(n)]
+            before = comm.peek(0)[0][r]
+            x = cp.asarray(parts[r])
+            assert comm.allreduce_pieces(x, piece=200) is x
+            assert np.array_equal(x.get(), _ranksum(parts).astype(dt))
+            comm.barrier()
+            assert comm.peek(0)[0][r] - before == -(-size // 200) + 1      # the pieces, then the barrier
+        with pytest.raises(ValueError, match="C-contiguous"):
+            comm.allreduce_pieces(cp.asarray(np.zeros(64, np.int32)))
+        comm.shutdown()
+        return True
+
+    res, errs = _ranks(n, body, tmp_path)
+    assert errs == [None] * n, errs
+    assert res == [True] * n

@@ -108,6 +108,9 @@ class Prefill:
         dst.fill(0)
         g0 = self.cfg.lanes.start
         dst[g0:g0 + P.shape[0]] = P
+        if hasattr(self.comm, "allreduce_pieces"):     # every piece queued, one host wait
+            self.comm.allreduce_pieces(dst)
+            return
         flat = dst.reshape(-1)
         for a, b in gather_pieces(flat.size, self.comm.max_floats):
             self.comm.allreduce(flat[a:b], out=flat[a:b])
