@@ -12,7 +12,8 @@ raise PeerLost) and on two H200s (N = 2: the one-rank ids, 791 tokens/s against 
 from __future__ import annotations
 
 TAGS = ("attn", "mlp", "final")      # channels 1, 2, 3 of the CudaCommunicator (kernel: 1 + kind, CH_FIN)
-PREFILL_FLOATS = 1 << 16             # slot floats at least (the prefill's host-API gathers go in pieces)
+PREFILL_FLOATS = 1 << 19             # slot floats at least: the prefill gathers in slot-sized pieces, one kernel
+                                     # each (2 MB slots: 80 MB of window a rank at N = 2, 320 MB at N = 8)
 
 
 class RankView:
