@@ -101,7 +101,7 @@ def npost(cfg) -> int:
 def schedule(cfg, e0: int = 1, tokens: int = 1):
     """[(token, layer, epoch, reads, ack_at)] of one tag for `tokens` tokens: reads lists the layers whose
     phases read the epoch (the layer itself for an early all-reduce, layer + delta for the delayed term);
-    ack_at is the last of them (the readers' kccl_collect_end)."""
+    ack_at is the last of them (the last read of the epoch's LL words)."""
     out = []
     d = cfg.broadcast_delay
     for n in range(tokens):
