@@ -39,6 +39,17 @@ class CudaHandle:
         return f"CudaHandle({self.tag!r}, epoch={self.epoch}, shape={self.shape})"
 
 
+def op_blocks(nbytes: int, sms: int, ranks_on_gpu: int) -> int:
+    """Blocks of one host-API kernel: one per 16 KiB, at most 32; when ranks share a GPU (MPS) at most
+    half of their share of its SMs, so every rank's kernel of an op can be resident at once (each waits
+    for the others'). 8 ranks x 32 blocks on a 132-SM H200 did not fit: the 2B prefill of `kog bench --np 8`
+    timed out at its first piece. The block count may differ between ranks and between epochs."""
+    nb = max(1, min(32, nbytes // 16384))
+    if ranks_on_gpu > 1 and sms > 0:
+        nb = min(nb, max(1, sms // (2 * ranks_on_gpu)))
+    return nb
+
+
 class _At:
     """A device address where _launch expects an array (its .data.ptr): a piece of a larger array."""
 
@@ -410,6 +421,15 @@ class CudaCore:
                 pass
             self._host = 0
 
+    def _sms(self) -> int:
+        if getattr(self, "_sm_count", None) is None:
+            try:
+                import cupy as cp
+                self._sm_count = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+            except Exception:  # noqa: BLE001 - unknown: no cap from it
+                self._sm_count = 0
+        return self._sm_count
+
     @property
     def _stream(self):
         """Launches go to the caller's current CuPy stream (ordered with the copies that made the inputs)."""
@@ -485,8 +505,7 @@ class CudaCore:
 
     def _launch(self, c, e, op, mode, root, src, send_bytes, dst, nbytes, dtype, expect) -> None:
         self._check_usable()
-        big = max(send_bytes, nbytes)
-        nb = max(1, min(32, big // 16384))
+        nb = op_blocks(max(send_bytes, nbytes), self._sms(), self.bus_ids.count(self.bus_ids[self.rank]))
         self._k_op((nb,), (THREADS,),
                    (np.uint64(self.dev_ptr), np.int32(c), np.uint64(e), np.int32(op), np.int32(mode),
                     np.int32(root), np.uint64(0 if src is None else src.data.ptr), np.int64(send_bytes),

@@ -320,3 +320,15 @@ def test_nvcc_header_alone_and_inlined_source(tmp_path):
     r = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "a.o")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_op_blocks_fit_ranks_sharing_a_gpu():
+    """Host-API kernels: one block per 16 KiB up to 32; ranks sharing a GPU (MPS) get at most half of their
+    share of its SMs, so all their kernels of one op are resident together (they wait for each other)."""
+    from kccl.cuda_comm import op_blocks
+    assert op_blocks(100, 132, 1) == 1 and op_blocks(16384 * 5, 132, 1) == 5 and op_blocks(1 << 21, 132, 1) == 32
+    assert op_blocks(1 << 21, 132, 2) == 32            # 2 ranks on an H200: as before (measured)
+    assert op_blocks(1 << 21, 132, 4) == 16 and op_blocks(1 << 21, 132, 8) == 8
+    for n in (2, 3, 4, 5, 8):
+        assert n * op_blocks(1 << 21, 132, n) <= 132
+    assert op_blocks(1 << 21, 0, 8) == 32               # SM count unknown: no cap
