@@ -61,6 +61,28 @@ __device__ __forceinline__ float pick(const float* a, int n, int k) {
     if (k == r) v = a[r];
   return v;
 }
+// the row loop of WO (kind 0: K = HDL) and W2 (kind 1: K = FL): units of NR rows, each warp's dot product
+// over the block's staged input of the unit's lane (sm + (l - l0) * K), combined into the residual and, with
+// several ranks, posted as LL words (mr_put; nothing with one rank)
+template <int NR, int K, int UB>
+__device__ __forceinline__ void combine_rows(const Params& p, float* sm, const wt* W, int i, int kind, int ua, int ub,
+                                             int nbuf, int l0, const float* cb, const MrPost& mp) {
+  constexpr int UPL = D / NR, UE = NR * K;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int u = ua + warp; u < ub; u += NW) {
+    const int l = u / UPL, r0 = (u % UPL) * NR;
+    float acc[NR];
+    if (u - ua < nbuf)
+      warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE, NR, sm + (l - l0) * K, acc);
+    else
+      warp_dot<NR, K, false, UB>(W + ((long long)l * D + r0) * K, NR, sm + (l - l0) * K, acc);
+    if (lane < NR) {
+      const float pv = pick(acc, NR, lane);
+      combine_finish(p, i, kind, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR + lane));
+      mr_put(mp, l, r0 + lane, pv);
+    }
+  }
+}
 
 #ifndef CFG_SIG_FENCE
 #define CFG_SIG_FENCE 0   // 1: also a __threadfence before the release (measured 2% slower)

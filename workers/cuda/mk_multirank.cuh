@@ -69,11 +69,23 @@ __device__ __forceinline__ bool mr_bail() {
 __device__ __forceinline__ long long mr_ll_off(int c, int src, u64 e) {
   return kds.slot_off[c] + ((long long)src * MR_DEPTH + (long long)(e % (u64)MR_DEPTH)) * kds.slot_bytes + KCCL_META_BYTES;
 }
-// a producer's row r of own lane l, value v: into every peer's window (off: mr_ll_off(c, rank, e))
-__device__ __forceinline__ void mr_put(long long off, unsigned tag, int l, int r, float v) {
+// where a producer phase of (layer i, kind) posts its rows: this rank's words in every window (off < 0:
+// the layer is not posted)
+struct MrPost {
+  long long off;
+  unsigned tag;
+};
+__device__ __forceinline__ MrPost mr_post(const Params& p, int kind, int n, int i) {
+  const u64 e = mr_epoch(p, kind, n, i);
+  return MrPost{mr_posted(i) ? mr_ll_off(1 + kind, (int)kds.rank, e) : -1, (unsigned)e};
+}
+// a producer's row r of own lane l, value v: into every peer's window
+__device__ __forceinline__ void mr_put(const MrPost& m, int l, int r, float v) {
+  if (m.off < 0) return;
 #pragma unroll
   for (int q = 0; q < NRK; ++q)
-    if (q != (int)kds.rank) kccl_ll_st((u64*)(kds.base[q] + off) + (long long)l * D + r, tag, __float_as_uint(v));
+    if (q != (int)kds.rank)
+      kccl_ll_st((u64*)(kds.base[q] + m.off) + (long long)l * D + r, m.tag, __float_as_uint(v));
 }
 // The partials of one posted (layer, kind) as a reader sees them: own lanes in p.part, the others'
 // LL words in this rank's window.
@@ -108,4 +120,8 @@ __device__ __noinline__ float mr_lane_sum(const MrPart& m, int r, int g, float* 
   if (own) *own = o;
   return tot;
 }
+#else
+struct MrPost {};   // one rank: nothing is posted
+__device__ __forceinline__ MrPost mr_post(const Params&, int, int, int) { return MrPost{}; }
+__device__ __forceinline__ void mr_put(const MrPost&, int, int, float) {}
 #endif

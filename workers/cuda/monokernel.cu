@@ -257,10 +257,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   brange(U_WO, ua, ub);
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
-#if KOG_NRANKS > 1
-  const long long mr_off = mr_posted(i) ? mr_ll_off(1 + 0, (int)kds.rank, mr_epoch(p, 0, n, i)) : -1;
-  const unsigned mr_tag = (unsigned)mr_epoch(p, 0, n, i);
-#endif
+  const MrPost mp = mr_post(p, 0, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   float* cb = sm + CB_OFF;
@@ -294,22 +291,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   cp_async_wait_all();
   __syncthreads();
   tmark(p, n, ph, 3);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
-    const int l = u / UPL_WO, r0 = (u % UPL_WO) * NR_WO;
-    float acc[NR_WO];
-    if (u - ua < nbuf)
-      warp_dot<NR_WO, HDL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_WO, NR_WO, sm + (l - l0) * HDL, acc);
-    else
-      warp_dot<NR_WO, HDL, false, CFG_UB_WO>(W + ((long long)l * D + r0) * HDL, NR_WO, sm + (l - l0) * HDL, acc);
-    if (lane < NR_WO) {
-      const float pv = pick(acc, NR_WO, lane);
-      combine_finish(p, i, 0, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR_WO + lane));
-#if KOG_NRANKS > 1
-      if (mr_off >= 0) mr_put(mr_off, mr_tag, l, r0 + lane, pv);
-#endif
-    }
-  }
+  combine_rows<NR_WO, HDL, CFG_UB_WO>(p, sm, W, i, 0, ua, ub, nbuf, l0, cb, mp);
   tmark(p, n, ph, 4);
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
   tmark(p, n, ph, 2);
@@ -361,10 +343,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
   prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
-#if KOG_NRANKS > 1
-  const long long mr_off = mr_posted(i) ? mr_ll_off(1 + 1, (int)kds.rank, mr_epoch(p, 1, n, i)) : -1;
-  const unsigned mr_tag = (unsigned)mr_epoch(p, 1, n, i);
-#endif
+  const MrPost mp = mr_post(p, 1, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
   float* cb = sm + CB_OFF;
@@ -384,22 +363,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   cp_async_wait_all();
   __syncthreads();
   tmark(p, n, ph, 3);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
-    const int l = u / UPL_W2, r0 = (u % UPL_W2) * NR_W2;
-    float acc[NR_W2];
-    if (u - ua < nbuf)
-      warp_dot<NR_W2, FL, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W2, NR_W2, sm + (l - l0) * FL, acc);
-    else
-      warp_dot<NR_W2, FL>(W + ((long long)l * D + r0) * FL, NR_W2, sm + (l - l0) * FL, acc);
-    if (lane < NR_W2) {
-      const float pv = pick(acc, NR_W2, lane);
-      combine_finish(p, i, 1, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR_W2 + lane));
-#if KOG_NRANKS > 1
-      if (mr_off >= 0) mr_put(mr_off, mr_tag, l, r0 + lane, pv);
-#endif
-    }
-  }
+  combine_rows<NR_W2, FL, CFG_UBMAX>(p, sm, W, i, 1, ua, ub, nbuf, l0, cb, mp);
   tmark(p, n, ph, 4);
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
   tmark(p, n, ph, 2);
