@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from . import layout as L
-from .errors import KcclError
+from .errors import KcclError, unknown_tag
 from .channel import Channel, make_meta, read_meta
 from .doorbell import Doorbell
 from .liveness import PeerWatch
@@ -276,8 +276,7 @@ class Communicator:
         try:
             return self._by_tag[tag]
         except KeyError:
-            raise KcclError(f"unknown tag {tag!r}; this communicator was created with "
-                            f"tags={self.tags}") from None
+            raise unknown_tag(tag, self.tags) from None
 
     def _as_payload(self, x, dtype) -> np.ndarray:
         self._check_open()

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+from types import SimpleNamespace
 
 import numpy as np
 
 from .cuda_layout import (COLL, COLL_DEPTH, M_ACK, M_COPY, M_POST, M_SUM, M_WAIT, MAGIC, OP_ALLREDUCE,
                           OP_BARRIER, OP_BROADCAST, OP_POST, RECORD_BYTES, STATUS_WORDS, THREADS,
                           CudaLayout, _module, allgather_bytes, check_records, pack_record, unpack_record)
-from .errors import KcclError
+from .errors import KcclError, unknown_tag
 from .shm import process_starttime, register, unregister
 
 
@@ -50,13 +51,9 @@ def op_blocks(nbytes: int, sms: int, ranks_on_gpu: int) -> int:
     return nb
 
 
-class _At:
+def _at(ptr: int):
     """A device address where _launch expects an array (its .data.ptr): a piece of a larger array."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, ptr: int):
-        self.data = type("Ptr", (), {"ptr": ptr})()
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
 
 
 class _Chan:
@@ -220,7 +217,7 @@ class CudaCore:
             raise ValueError(f"allreduce_pieces: pieces of {piece} elements (8 at least)")
         ch, total = self._chans[COLL], x.nbytes // isz
         for a in range(0, total, piece):
-            v = _At(x.data.ptr + a * isz)
+            v = _at(x.data.ptr + a * isz)
             nbytes = min(piece, total - a) * isz
             e = ch.send_epoch + 1
             self._launch(ch.id, e, OP_ALLREDUCE, M_POST | M_WAIT | M_SUM | M_ACK, 0, v, nbytes, v, nbytes,
@@ -421,14 +418,16 @@ class CudaCore:
                 pass
             self._host = 0
 
-    def _sms(self) -> int:
-        if getattr(self, "_sm_count", None) is None:
+    def _gpu_share(self) -> tuple[int, int]:
+        """(SMs of this rank's GPU, ranks on it) for op_blocks; looked up once."""
+        if getattr(self, "_share", None) is None:
             try:
                 import cupy as cp
-                self._sm_count = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+                sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
             except Exception:  # noqa: BLE001 - unknown: no cap from it
-                self._sm_count = 0
-        return self._sm_count
+                sms = 0
+            self._share = (sms, self.bus_ids.count(self.bus_ids[self.rank]))
+        return self._share
 
     @property
     def _stream(self):
@@ -454,7 +453,7 @@ class CudaCore:
         try:
             return self._by_tag[tag]
         except KeyError:
-            raise KcclError(f"unknown tag {tag!r}; this communicator was created with tags={self.tags}") from None
+            raise unknown_tag(tag, self.tags) from None
 
     def _payload(self, x, dtypes, contiguous_only: bool = False):
         cp = self._cp()
@@ -505,7 +504,7 @@ class CudaCore:
 
     def _launch(self, c, e, op, mode, root, src, send_bytes, dst, nbytes, dtype, expect) -> None:
         self._check_usable()
-        nb = op_blocks(max(send_bytes, nbytes), self._sms(), self.bus_ids.count(self.bus_ids[self.rank]))
+        nb = op_blocks(max(send_bytes, nbytes), *self._gpu_share())
         self._k_op((nb,), (THREADS,),
                    (np.uint64(self.dev_ptr), np.int32(c), np.uint64(e), np.int32(op), np.int32(mode),
                     np.int32(root), np.uint64(0 if src is None else src.data.ptr), np.int64(send_bytes),

@@ -12,6 +12,11 @@ class KcclError(RuntimeError):
     """Any kccl failure: bad arguments, layout mismatch between ranks, bootstrap failure, protocol bug."""
 
 
+def unknown_tag(tag: str, tags) -> KcclError:
+    """What every communicator raises for a tag it was not created with."""
+    return KcclError(f"unknown tag {tag!r}; this communicator was created with tags={tags}")
+
+
 class PeerLost(KcclError):
     """A peer rank exited (or closed its communicator) while this rank depended on it.
 
