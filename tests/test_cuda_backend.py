@@ -102,6 +102,18 @@ def test_greedy_matches_numpy_engine(models, name):
                     f"(reference margin {srt[-1] - srt[-2]:.2e})")
 
 
+def test_lane_skew_keeps_the_ids(models):
+    """The lane skew (CFG_SKEW_NS, on by default only for >= 1 GB models) changes when the upper lanes run,
+    never what they compute: forced on a tiny 8-lane model, the ids are still the numpy engine's."""
+    name = "d2_L8_no_future_lane_scales"
+    ref, _, _ = _ref_greedy(models[name], PROMPT, GEN)
+    b = _backend(models[name], extra_defines={"CFG_SKEW_NS": 20000})
+    assert b.k.defines["CFG_SKEW_NS"] == 20000
+    r = b.run(_cmd(append=PROMPT, max_new_tokens=GEN), ignore_eos=True)
+    b.close()
+    assert r.token_ids == ref
+
+
 def test_logits_match_numpy_engine_and_outputs_poisoned(models):
     name = "d2_L4_gqa2_slide_first"
     ref, ref_logits, _ = _ref_greedy(models[name], PROMPT, 40)
