@@ -123,7 +123,7 @@ def measure(backend, args, log=_say) -> dict:
         for k in (8, 200, 400):
             backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=min(args.gen, k + 2),
                                    sampling=greedy), ignore_eos=True, timing_token=k)
-            bds.append(phase_breakdown(backend.last_timing, cfg.num_hidden_layers))
+            bds.append(phase_breakdown(backend.last_timing, cfg.num_hidden_layers, cfg.num_lanes))
         out["phases"] = bds
         sb = streamed_by_kind(cfg, 4 if backend.dw.dtype == "F32" else 2)
         for k, bd in zip((8, 200, 400), bds):

@@ -40,3 +40,14 @@ def test_three_marks_still_read_and_formatted():
         assert coarse[k]["critical_us"] == fine[k]["critical_us"] and coarse[k]["rows_us"] == 0.0
     assert "rows us" in format_breakdown(fine) and "rows us" not in format_breakdown(coarse)
     assert format_breakdown(fine).splitlines()[-1].startswith("total")
+
+
+def test_lane_chains_read_when_blocks_split_evenly_over_lanes():
+    t = _marks(nl=2, nb=4)
+    t[5 * 2 - 1, 3, 2] += 7_000                      # block 3 (lane 1 of 2) ends its last W2 7 us later
+    bd = phase_breakdown(t, 2, num_lanes=2)
+    e0, e1 = bd["lanes"]["end_us"]
+    assert abs((e1 - e0) - (7.0 + 0.2)) < 1e-6       # lane 0: blocks 0-1, lane 1: blocks 2-3
+    assert abs(bd["lanes"]["slowest_minus_median_us"] - (e1 - e0) / 2) < 1e-6
+    assert "lane chains end" in format_breakdown(bd)
+    assert "lanes" not in phase_breakdown(t, 2, num_lanes=3) and "lanes" not in phase_breakdown(t, 2)

@@ -7,12 +7,15 @@ import numpy as np
 KINDS = ("qkv", "att", "wo", "w13", "w2")
 
 
-def phase_breakdown(timing: np.ndarray, num_layers: int) -> dict:
+def phase_breakdown(timing: np.ndarray, num_layers: int, num_lanes: int | None = None) -> dict:
     """timing [5N+2, blocks, 3 or 5] globaltimer ns (0 = block had no work; mk_layout.cuh tmark). Returns,
     per phase kind, summed over layers: the time from the end of the previous phase (last block) to the
     end of this one (last block); the median per-block wait (entry -> inputs ready) and busy (inputs
     ready -> done); with 5 marks also the median staging (inputs ready -> row loop), rows (the row loop)
-    and signal (rows done -> done) times, and the tail (median block's end -> last block's end)."""
+    and signal (rows done -> done) times, and the tail (median block's end -> last block's end). With
+    num_lanes, when the blocks split evenly over the lanes (block b serves lane b // (blocks / lanes) in every
+    phase), also "lanes": when each lane's chain ends (its last block's W2 of the last layer) and how far the
+    slowest lane trails the median one: the LM head waits for the slowest."""
     t = timing.astype(np.int64)
     N = num_layers
     tok = t[5 * N + 1]
@@ -41,6 +44,13 @@ def phase_breakdown(timing: np.ndarray, num_layers: int) -> dict:
                 o["signal_us"] += float(np.median(m[fine, 2] - m[fine, 4])) / 1e3
         prev = end
     out["total_us"] = (prev - start) / 1e3
+    nb = t.shape[1]
+    if num_lanes and num_lanes > 1 and nb % num_lanes == 0:
+        last = t[5 * N - 1, :, 2].reshape(num_lanes, nb // num_lanes)
+        if (last > 0).all():
+            ends = (last.max(axis=1) - start) / 1e3
+            out["lanes"] = {"end_us": [round(float(e), 1) for e in ends],
+                            "slowest_minus_median_us": float(ends.max() - np.median(ends))}
     return out
 
 
@@ -58,6 +68,10 @@ def format_breakdown(b: dict, streamed: dict | None = None) -> str:
             row += f" | {streamed[k] / (x['critical_us'] * 1e3):.0f}"
         lines.append(row)
     lines.append(f"total (token wait end -> LM end) | {b['total_us']:.1f}")
+    if "lanes" in b:
+        ln = b["lanes"]
+        lines.append(f"lane chains end (us) | {' '.join(f'{e:.1f}' for e in ln['end_us'])} | slowest - median "
+                     f"{ln['slowest_minus_median_us']:.1f}")
     return "\n".join(lines)
 
 
