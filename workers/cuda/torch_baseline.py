@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 # The model, re-exported by name (``import *`` would skip the underscore names that callers use).
 from .torch_model import (  # noqa: F401
     _DEFAULTS,
+    _GreedyRunner,
     SHAPE_2B,
     Laneformer2bTorch,
     LaneformerTorch,
@@ -60,48 +61,6 @@ __all__ = [
     "measure_copy_bandwidth",
     "reference_logits_fp32",
 ]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Greedy decode on the device (what the graph modes capture)
-
-
-class _GreedyRunner:
-    """Greedy decode kept on the device: static token / position / sequence tensors; ``step()`` feeds the
-    token at the position, takes the argmax (lowest index among equal maxima) as the next token, and
-    advances the position. No host synchronisation: this is what gets captured in a CUDA graph."""
-
-    def __init__(self, model: LaneformerTorch, step_fn: Callable):
-        torch = model.torch
-        self.torch = torch
-        self.step_fn = step_fn
-        dev = model.device
-        self.token = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.seq = torch.zeros(model.max_seq + 1, dtype=torch.long, device=dev)
-        self.logits = None
-
-    def reset(self, last_logits, pos: int):
-        """The next token is the argmax of ``last_logits`` (the prefill's), placed at ``pos``."""
-        torch = self.torch
-        with torch.no_grad():
-            first = torch.argmax(last_logits.reshape(-1)).view(1)
-            self.token.copy_(first)
-            self.pos.fill_(int(pos))
-            self.seq.index_copy_(0, self.pos, first)
-
-    def step(self):
-        torch = self.torch
-        with torch.no_grad():
-            logits = self.step_fn(self.token, self.pos)                 # [1, V]
-            nxt = torch.argmax(logits[0]).view(1)
-            self.seq.index_copy_(0, self.pos + 1, nxt)
-            self.token.copy_(nxt)
-            self.pos.add_(1)
-            self.logits = logits
-
-    def generated(self, start: int, n: int) -> list[int]:
-        return [int(x) for x in self.seq[start:start + n].tolist()]
 
 
 # ---------------------------------------------------------------------------------------------------------

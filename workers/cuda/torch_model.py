@@ -391,6 +391,44 @@ def _weights_dtype(torch, weights):
     return torch.from_numpy(t[:1].copy()).dtype
 
 
+class _GreedyRunner:
+    """Greedy decode kept on the device: static token / position / sequence tensors; ``step()`` feeds the
+    token at the position, takes the argmax (lowest index among equal maxima) as the next token, and
+    advances the position. No host synchronisation: this is what gets captured in a CUDA graph."""
+
+    def __init__(self, model: "LaneformerTorch", step_fn):
+        torch = model.torch
+        self.torch = torch
+        self.step_fn = step_fn
+        dev = model.device
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.seq = torch.zeros(model.max_seq + 1, dtype=torch.long, device=dev)
+        self.logits = None
+
+    def reset(self, last_logits, pos: int):
+        """The next token is the argmax of ``last_logits`` (the prefill's), placed at ``pos``."""
+        torch = self.torch
+        with torch.no_grad():
+            first = torch.argmax(last_logits.reshape(-1)).view(1)
+            self.token.copy_(first)
+            self.pos.fill_(int(pos))
+            self.seq.index_copy_(0, self.pos, first)
+
+    def step(self):
+        torch = self.torch
+        with torch.no_grad():
+            logits = self.step_fn(self.token, self.pos)                 # [1, V]
+            nxt = torch.argmax(logits[0]).view(1)
+            self.seq.index_copy_(0, self.pos + 1, nxt)
+            self.token.copy_(nxt)
+            self.pos.add_(1)
+            self.logits = logits
+
+    def generated(self, start: int, n: int) -> list[int]:
+        return [int(x) for x in self.seq[start:start + n].tolist()]
+
+
 class LaneformerTorch:
     """The Laneformer function in PyTorch, all lanes on one device (lane = batch dimension).
 
@@ -497,10 +535,6 @@ class LaneformerTorch:
         if T + gen_len > self.max_seq + 1:
             raise ValueError(f"{T} + {gen_len} tokens do not fit max_seq {self.max_seq}")
         logits = self.prefill(ids_t)
-        # the device-side greedy loop (_GreedyRunner) is the benchmark's; imported here, not at the
-        # top, because torch_baseline imports this module
-        from .torch_baseline import _GreedyRunner  # noqa: PLC0415
-
         runner = _GreedyRunner(self, self.core)
         runner.reset(logits, T)
         for _ in range(gen_len - 1):
