@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 # The model, re-exported by name (``import *`` would skip the underscore names that callers use).
+from .torch_model import __all__ as _MODEL_ALL
 from .torch_model import (  # noqa: F401
     _DEFAULTS,
     _GreedyRunner,
@@ -47,20 +48,7 @@ from .torch_model import (  # noqa: F401
     weight_shapes,
 )
 
-__all__ = [
-    "TorchUnavailableError",
-    "torch_available",
-    "SHAPE_2B",
-    "ModelShape",
-    "model_shape",
-    "weight_shapes",
-    "random_weights",
-    "LaneformerTorch",
-    "Laneformer2bTorch",
-    "run_baselines",
-    "measure_copy_bandwidth",
-    "reference_logits_fp32",
-]
+__all__ = [*_MODEL_ALL, "run_baselines", "measure_copy_bandwidth"]
 
 
 # ---------------------------------------------------------------------------------------------------------
