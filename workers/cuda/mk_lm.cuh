@@ -96,12 +96,18 @@ __device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter)
 }
 
 // returns false when the generation ends with this token
+// L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
+// lanes that finish first wait longest: a larger prefetch may use that; unmeasured beyond the default)
+#ifndef CFG_PF_LM
+#define CFG_PF_LM CFG_PF
+#endif
+constexpr long long PF_LM = CFG_PF_LM;
 __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;
   tmark(p, n, 5 * NL, 0);
   brange(U_LM, ua, ub);
   const int nbuf = wbuf_fill(sm, p.lm + (long long)ua * UE_LM, ub - ua, UE_LM, true);
-  prefetch_l2(p.lm + (long long)(ua + nbuf) * UE_LM, (long long)(ub - ua - nbuf) * UE_LM * sizeof(wt), PF);
+  prefetch_l2(p.lm + (long long)(ua + nbuf) * UE_LM, (long long)(ub - ua - nbuf) * UE_LM * sizeof(wt), PF_LM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   float* y = sm;
   float* red = sm + SM_MAIN - 16 * 8 - 16;

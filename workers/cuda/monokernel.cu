@@ -32,13 +32,17 @@ using namespace cfg;
 #include "mk_norms.cuh"
 #include "mk_combine.cuh"
 
-// Lane skew: the upper half of the lanes starts layer SKEW_I (the first whose residual needs no other
+// Lane skew: the upper half of the lanes (CFG_SKEW_GROUPS 2) starts layer SKEW_I (the first whose residual needs no other
 // lane's partial of the same layer) CFG_SKEW_NS later than the lower half. The halves' dependent chains then
 // stay apart, so one half's latency-bound steps (norm staging, attention, the small QKV and WO phases) run
 // while the other half streams W13 / W2 and the HBM idles less (2B on one H200: +2%, docs/monokernel.md).
 #ifndef CFG_SKEW_NS
 #define CFG_SKEW_NS 0
 #endif
+#ifndef CFG_SKEW_GROUPS
+#define CFG_SKEW_GROUPS 2   // lane groups g = 0..G-1 (by lane index) start g / (G - 1) * CFG_SKEW_NS late (measured: 2)
+#endif
+constexpr int SKEW_G = CFG_SKEW_GROUPS < 2 ? 2 : (CFG_SKEW_GROUPS > L ? L : CFG_SKEW_GROUPS);
 constexpr long long SKEW_NS = L >= 2 ? CFG_SKEW_NS : 0;
 constexpr int SKEW_I = (USE_COMM && USE_EARLY && LG > 1 && DELTA < NL) ? DELTA : 0;
 // ---- phases ------------------------------------------------------------------------------------
@@ -61,9 +65,15 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     if (fused_step(s)) wait_lanes(p, C_W2, l0, l1, tgt);
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
   }
-  if (SKEW_NS && i == SKEW_I && l0 >= L / 2 && threadIdx.x == 0) {
-    const u64 t0 = gtimer();
-    while (gtimer() - t0 < (u64)SKEW_NS) {}
+  if constexpr (SKEW_NS > 0) {
+    const int grp = SKEW_G == 2 ? (l0 >= L / 2) : l0 * SKEW_G / L;
+    if (i == SKEW_I && grp > 0 && threadIdx.x == 0) {
+      const u64 wait_ns = SKEW_G == 2 ? (u64)SKEW_NS : (u64)(SKEW_NS * grp / (SKEW_G - 1));
+      const u64 t0 = gtimer();
+#pragma nv_diag_suppress 186   // "pointless comparison" in the builds without a skew (not compiled there)
+      while (gtimer() - t0 < wait_ns) {}
+#pragma nv_diag_default 186
+    }
   }
   __syncthreads();
   tmark(p, n, ph, 1);
