@@ -4,8 +4,8 @@ The model (config, weights, the decode step) is :mod:`workers.cuda.torch_model`;
 times it: greedy decode kept on the device (:class:`_GreedyRunner`), in three modes: ``eager`` (the
 step op by op from Python), ``cuda_graph`` (the step, free of host synchronisation and of shapes that
 depend on the position, captured once in a CUDA graph and replayed per token), ``compile``
-(torch.compile of the step, then captured). The model's names are re-exported here (underscore
-ones too), so ``torch_baseline.X`` works for them as before.
+(torch.compile of the step, then captured). The model's public names are re-exported here, so
+``torch_baseline.X`` works for them as before.
 
 PyTorch is imported lazily: this module imports without torch. ``run_baselines`` then returns one
 ``{"mode", "error"}`` entry per mode, so a benchmark can always print its table.
@@ -25,28 +25,9 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
-# The model, re-exported by name (``import *`` would skip the underscore names that callers use).
+from .torch_model import *  # noqa: F403  (the model's public names, re-exported as before)
 from .torch_model import __all__ as _MODEL_ALL
-from .torch_model import (  # noqa: F401
-    _DEFAULTS,
-    _GreedyRunner,
-    SHAPE_2B,
-    Laneformer2bTorch,
-    LaneformerTorch,
-    ModelShape,
-    TorchUnavailableError,
-    _cfg_get,
-    _core_classes,
-    _import_torch,
-    _to_tensor,
-    _torch_dtype,
-    _weights_dtype,
-    model_shape,
-    random_weights,
-    reference_logits_fp32,
-    torch_available,
-    weight_shapes,
-)
+from .torch_model import LaneformerTorch, TorchUnavailableError, _GreedyRunner, _import_torch, model_shape
 
 __all__ = [*_MODEL_ALL, "run_baselines", "measure_copy_bandwidth"]
 
