@@ -95,13 +95,13 @@ __device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter)
   return tok;
 }
 
-// returns false when the generation ends with this token
 // L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
 // lanes that finish first wait longest: a larger prefetch may use that; unmeasured beyond the default)
 #ifndef CFG_PF_LM
 #define CFG_PF_LM CFG_PF
 #endif
 constexpr long long PF_LM = CFG_PF_LM;
+// returns false when the generation ends with this token
 __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;
   tmark(p, n, 5 * NL, 0);

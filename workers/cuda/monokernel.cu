@@ -32,8 +32,8 @@ using namespace cfg;
 #include "mk_norms.cuh"
 #include "mk_combine.cuh"
 
-// Lane skew: the upper half of the lanes (CFG_SKEW_GROUPS 2) starts layer SKEW_I (the first whose residual needs no other
-// lane's partial of the same layer) CFG_SKEW_NS later than the lower half. The halves' dependent chains then
+// Lane skew: the upper half of the lanes (CFG_SKEW_GROUPS 2) starts layer SKEW_I (the first whose residual
+// needs no other lane's partial of the same layer) CFG_SKEW_NS later than the lower half. The halves' dependent chains then
 // stay apart, so one half's latency-bound steps (norm staging, attention, the small QKV and WO phases) run
 // while the other half streams W13 / W2 and the HBM idles less (2B on one H200: +2%, docs/monokernel.md).
 #ifndef CFG_SKEW_NS
@@ -66,13 +66,11 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
   }
   if constexpr (SKEW_NS > 0) {
-    const int grp = SKEW_G == 2 ? (l0 >= L / 2) : l0 * SKEW_G / L;
+    const int grp = min(SKEW_G - 1, l0 / (L / SKEW_G));   // the block's lane group
     if (i == SKEW_I && grp > 0 && threadIdx.x == 0) {
-      const u64 wait_ns = SKEW_G == 2 ? (u64)SKEW_NS : (u64)(SKEW_NS * grp / (SKEW_G - 1));
+      const u64 wait_ns = (u64)(SKEW_NS * grp / (SKEW_G - 1));
       const u64 t0 = gtimer();
-#pragma nv_diag_suppress 186   // "pointless comparison" in the builds without a skew (not compiled there)
       while (gtimer() - t0 < wait_ns) {}
-#pragma nv_diag_default 186
     }
   }
   __syncthreads();
