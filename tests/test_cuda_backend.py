@@ -1,8 +1,11 @@
 """The cuda backend (monokernel) against the numpy reference engine and a float32 CuPy computation.
-Runs on the GPU machine: `pytest -m gpu tests/test_cuda_backend.py`; skips cleanly without CuPy or a GPU."""
+Runs on the GPU machine: `pytest -m gpu tests/test_cuda_backend.py`; skips cleanly without CuPy or a GPU.
+KOG_TEST_DEFINES="CFG_X=1 CFG_Y=2" adds compile-time defines to every kernel built here, to check a tuning
+variant of the monokernel against the same references."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 
 import numpy as np
@@ -75,8 +78,12 @@ def _ref_greedy(model_dir, prompt, n):
     return toks, all_logits, eng
 
 
+TEST_DEFINES = dict(d.split("=", 1) for d in os.environ.get("KOG_TEST_DEFINES", "").split())
+
+
 def _backend(model_dir, **kw):
     from workers.cuda.backend import CudaBackend
+    kw["extra_defines"] = {**TEST_DEFINES, **kw.get("extra_defines", {})}
     return CudaBackend(model_dir, max_seq=kw.pop("max_seq", 512), num_slots=2, progress=False, **kw)
 
 
@@ -233,7 +240,7 @@ def test_2b_shape_bf16_logits_against_float32():
     cfg = shape_config("2b")
     k = build(cfg, "BF16")
     dw = random_weights(cfg, "BF16", k, seed=11)
-    b = CudaBackend(weights=dw, max_seq=256, num_slots=1, progress=False)
+    b = CudaBackend(weights=dw, max_seq=256, num_slots=1, progress=False, extra_defines=TEST_DEFINES)
     prompt = [1, 500, 9000, 31000, 42, 7, 123, 4567]
     n = 64
     dbg = cp.full((n, cfg.vocab_size), np.nan, cp.float32)

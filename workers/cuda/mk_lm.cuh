@@ -97,6 +97,10 @@ __device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter)
 
 // L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
 // lanes that finish first wait longest: a larger prefetch may use that; unmeasured beyond the default)
+#ifndef CFG_TOKFAST
+#define CFG_TOKFAST 1   // token handoff: the ticket one acq_rel atomic (no SC fences); the sampler reduces the
+                        // blocks' greedy candidates with every thread (else thread 0 alone, 16 load round trips)
+#endif
 #ifndef CFG_PF_LM
 #define CFG_PF_LM CFG_PF
 #endif
@@ -117,7 +121,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   float best = NEG_INF;
   int besti = 0x7fffffff;
   if (ua < ub) {
-    if (tid == 0) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
+    if (WAITER) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
     tmark(p, n, 5 * NL, 1);
     cp_async_wait_all();
@@ -153,10 +157,16 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
       if (bv[w] > best || (bv[w] == best && bi[w] < besti)) { best = bv[w]; besti = bi[w]; }
     p.cand_v[blockIdx.x] = best;
     p.cand_i[blockIdx.x] = besti;
+#if CFG_TOKFAST
+    u64 tk;   // release: the block's candidates and logits (ordered by the barrier above); acquire: everyone's
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(tk) : "l"(CTR(p, C_TICKET)) : "memory");
+    last = (tk == (u64)(n + 1) * NB - 1);
+#else
     __threadfence();
     const u64 tk = atomicAdd(CTR(p, C_TICKET), 1ull);
     last = (tk == (u64)(n + 1) * NB - 1);
     if (last) __threadfence();
+#endif
   }
   __syncthreads();
   if (!last) return;
@@ -165,6 +175,32 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   const u64 counter = (u64)(p.start_pos + n + 1);
   int next;
   if (greedy) {
+#if CFG_TOKFAST
+    {  // (max logit, lowest index) over the blocks' candidates: one load each, a warp then a block reduction
+      float bb = NEG_INF;
+      int bidx = 0x7fffffff;
+      for (int b = tid; b < NB; b += NT) {
+        const float v = ldf(p.cand_v + b);
+        const int ix = __ldcg(p.cand_i + b);
+        if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bb, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
+        if (ov > bb || (ov == bb && oi < bidx)) { bb = ov; bidx = oi; }
+      }
+      __syncthreads();   // bv / bi: the per-block reduction above is done with them
+      if (lane == 0) { bv[warp] = bb; bi[warp] = bidx; }
+      __syncthreads();
+      if (tid == 0) {
+        for (int w = 0; w < NW; ++w)
+          if (bv[w] > bb || (bv[w] == bb && bi[w] < bidx)) { bb = bv[w]; bidx = bi[w]; }
+        if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
+        last = bidx;
+      }
+    }
+#else
     if (tid == 0) {
       float bb = NEG_INF;
       int bidx = 0x7fffffff;
@@ -176,6 +212,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
       if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
       last = bidx;
     }
+#endif
     __syncthreads();
     next = last;
   } else {

@@ -60,7 +60,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i;
   if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 0) * L * D, l0, l1 - l0 + 1);
-  if (threadIdx.x == 0 && s > 0) {
+  if (WAITER && s > 0) {
     const u64 tgt = (u64)(n * NL + i) * UPL_W2;    // W2 of layer i-1 done
     if (fused_step(s)) wait_lanes(p, C_W2, l0, l1, tgt);
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
@@ -122,7 +122,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
 #endif
 __device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int tok, int ua, int ub) {
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
-  if (threadIdx.x == 0) {
+  if (WAITER) {
     wait_delayed(p, C_WO, UPL_WO, n, i);
     if (i > 0) {   // the residual base h[2i] of the block's lanes: W2(i-1), or the QKV(i) writer block
       if (fused_step(2 * i)) wait_lanes(p, C_W2, l0, l1, (u64)(n * NL + i) * UPL_W2);
@@ -283,7 +283,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   float* cb = sm + CB_OFF;
   if (!CFG_ATTCB) wo_stage_combine(p, sm, n, i, tok, ua, ub);
-  if (threadIdx.x == 0) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
+  if (WAITER) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
   __syncthreads();
   tmark(p, n, ph, 1);
   // attention outputs of the block's lanes, merged over the position chunks
@@ -331,7 +331,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i + 1;
   if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 1) * L * D, l0, l1 - l0 + 1);
-  if (threadIdx.x == 0) {
+  if (WAITER) {
     const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
     if (fused_step(s)) wait_lanes(p, C_WO, l0, l1, tgt);
     else wait_lanes(p, C_WO, 0, L - 1, tgt);
@@ -356,6 +356,9 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 2);
 }
 
+#ifndef CFG_HID_PAR
+#define CFG_HID_PAR 0
+#endif
 __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
   const int ph = 5 * i + 4;
@@ -368,7 +371,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
   float* cb = sm + CB_OFF;
-  if (threadIdx.x == 0) {
+  if (WAITER) {
     wait_delayed(p, C_W2, UPL_W2, n, i);
     // the residual base h[2i+1] of the block's lanes: WO(i), or the W13(i) writer block
     if (fused_step(2 * i + 1)) wait_lanes(p, C_WO, l0, l1, (u64)(n * NL + i + 1) * UPL_WO);
@@ -376,11 +379,28 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   }
   __syncthreads();
   stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
-  if (threadIdx.x == 0) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
+  if (WAITER) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   __syncthreads();
   tmark(p, n, ph, 1);
+#if CFG_HID_PAR   // every load of the hidden vector in flight before the first store (one round trip)
+  for (int l = l0; l <= l1; ++l) {
+    constexpr int HPT = (FL + NT - 1) / NT;
+    float hv[HPT];
+#pragma unroll
+    for (int e = 0; e < HPT; ++e) {
+      const int x = threadIdx.x + e * NT;
+      hv[e] = x < FL ? ldf(p.hid + (long long)l * FL + x) : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < HPT; ++e) {
+      const int x = threadIdx.x + e * NT;
+      if (x < FL) sm[(l - l0) * FL + xp(x, FL)] = hv[e];
+    }
+  }
+#else
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
+#endif
   cp_async_wait_all();
   __syncthreads();
   tmark(p, n, ph, 3);
