@@ -331,6 +331,8 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i + 1;
   if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 1) * L * D, l0, l1 - l0 + 1);
+  __shared__ int steal;
+  if (CFG_WSTEAL && threadIdx.x == 0) steal = NW;   // W13's unit queue (next_unit); read after the barriers below
   if (WAITER) {
     const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
     if (fused_step(s)) wait_lanes(p, C_WO, l0, l1, tgt);
@@ -344,7 +346,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
                    writer_mask(l0, l1, UPL_W13, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u += NW) {
+  for (int u = ua + warp; u < ub; u = next_unit(u, ua, &steal)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
@@ -356,9 +358,6 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 2);
 }
 
-#ifndef CFG_HID_PAR
-#define CFG_HID_PAR 0
-#endif
 __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
   const int ph = 5 * i + 4;
@@ -382,25 +381,8 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   if (WAITER) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   __syncthreads();
   tmark(p, n, ph, 1);
-#if CFG_HID_PAR   // every load of the hidden vector in flight before the first store (one round trip)
-  for (int l = l0; l <= l1; ++l) {
-    constexpr int HPT = (FL + NT - 1) / NT;
-    float hv[HPT];
-#pragma unroll
-    for (int e = 0; e < HPT; ++e) {
-      const int x = threadIdx.x + e * NT;
-      hv[e] = x < FL ? ldf(p.hid + (long long)l * FL + x) : 0.f;
-    }
-#pragma unroll
-    for (int e = 0; e < HPT; ++e) {
-      const int x = threadIdx.x + e * NT;
-      if (x < FL) sm[(l - l0) * FL + xp(x, FL)] = hv[e];
-    }
-  }
-#else
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
-#endif
   cp_async_wait_all();
   __syncthreads();
   tmark(p, n, ph, 3);
