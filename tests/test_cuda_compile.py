@@ -60,3 +60,20 @@ def test_smem_bytes_mirrors_the_kernel(tmp_path):
                                        "num_attention_heads": 512, "num_key_value_heads": 512})
     with pytest.raises(ValueError, match="shared memory"):
         check_shape(wide, "BF16", 132)
+
+
+def test_lane_skew_only_where_measured():
+    """CFG_SKEW_NS defaults to the measured delays (2B on H200s: 10 us for one rank, 30 us for two) and to
+    none for small models, single-lane ranks and unmeasured rank counts; an explicit define wins."""
+    from kog_dist.bench import shape_config
+    from kog_dist.config import LaneformerConfig
+    from kog_dist.tiny import TINY_DEFAULTS
+    from workers.cuda.build import defines
+    big = shape_config("2b")
+    tiny = LaneformerConfig.from_dict(dict(TINY_DEFAULTS, model_type="laneformer_tp", num_lanes=8))
+    skew = {n: defines(big, "BF16", 128, nranks=n)["CFG_SKEW_NS"] for n in (1, 2, 4, 8)}
+    assert skew == {1: 10000, 2: 30000, 4: 0, 8: 0}
+    assert defines(tiny, "F32", 128)["CFG_SKEW_NS"] == 0 and defines(tiny, "F32", 128, nranks=2)["CFG_SKEW_NS"] == 0
+    one_lane = LaneformerConfig.from_dict(dict(big.to_dict(), num_lanes=1))
+    assert defines(one_lane, "BF16", 132)["CFG_SKEW_NS"] == 0
+    assert defines(big, "BF16", 128, nranks=2, extra={"CFG_SKEW_NS": 0})["CFG_SKEW_NS"] == 0

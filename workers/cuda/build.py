@@ -31,7 +31,7 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | 
     if nranks > 1:
         from .multirank import defines as mr_defines
         d = defines(cfg, dtype, nblocks, prefetch, None)
-        d.update(mr_defines(cfg, nranks), CFG_SKEW_NS=0)   # the lane skew is measured with one rank only
+        d.update(mr_defines(cfg, nranks), CFG_SKEW_NS=skew_ns(cfg, dtype, nranks))
         return {**d, **(extra or {})}
     return {
         "CFG_WT": WT_CODE[dtype], "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
@@ -45,12 +45,20 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | 
     }
 
 
-def skew_ns(cfg, dtype: str) -> int:
-    """The lane skew (monokernel.cu, CFG_SKEW_NS) of a one-rank build: 10 us when the decode streams at
-    least 1 GB a token over several lanes (2B shape on the H200: 745.6 against 729.3 tokens/s; 5 us 740.6,
-    20 us 724.6), else none: for a small model it would only add its 10 us to every token."""
+def skew_ns(cfg, dtype: str, nranks: int = 1) -> int:
+    """The lane skew (monokernel.cu, CFG_SKEW_NS): the upper half of a rank's lanes starts layer delta this
+    many ns late. Only for models that stream at least 1 GB a token over several lanes a rank (for a small
+    model it would only add its delay to every token), and only for the rank counts it was measured with
+    (2B shape, H200s, 2026-11-29):
+    - one rank: 10 us (745.6 against 729.3 tokens/s; 5 us 740.6, 20 us 724.6; at d7b8e7b 786-787 against
+      770-774 for 30 and 40 us);
+    - two ranks (4 lanes each, one GPU each): 30 us (860 / 868 against 813 / 818 / 817 without; 20 us
+      841 / 856, 25 us 864, 40 us 865);
+    - more ranks: none (unmeasured; with 8 lanes, 4 ranks have 2 lanes each and 8 ranks one)."""
     from .weights import streamed_bytes
-    return 10000 if cfg.num_lanes >= 2 and streamed_bytes(cfg, dtype) >= 1 << 30 else 0
+    if cfg.num_lanes // max(1, nranks) < 2 or streamed_bytes(cfg, dtype) < 1 << 30:
+        return 0
+    return {1: 10000, 2: 30000}.get(nranks, 0)
 
 
 def default_blocks(cfg, sms: int) -> int:
