@@ -62,11 +62,15 @@ __device__ __forceinline__ float pick(const float* a, int n, int k) {
   return v;
 }
 // A block's units: warp w starts with unit w; with CFG_WSTEAL each warp that finishes a unit takes the next
-// one not yet taken from a shared-memory queue (*q, set to NW before the loop), so the block's warps end
-// within one unit of each other however the memory system serves them; else unit u + NW.
+// one not yet taken from a shared-memory queue (*q, set to NW by reset_units before the loop), so the block's
+// warps end within one unit of each other however the memory system serves them; else unit u + NW.
 #ifndef CFG_WSTEAL
 #define CFG_WSTEAL 1   // 2B on one H200: 786.6 / 791.6 / 792.1 against 783.7 / 790.4 / 783.1 without
 #endif
+__shared__ int unit_q;   // the queue of the phase running (W13, WO, W2); each phase ends with a barrier
+__device__ __forceinline__ void reset_units() {   // before the barrier that precedes the phase's unit loop
+  if (CFG_WSTEAL && threadIdx.x == 0) unit_q = NW;
+}
 __device__ __forceinline__ int next_unit(int u, int ua, int* q) {
   if (!CFG_WSTEAL) return u + NW;
   int k = 0;
@@ -75,19 +79,14 @@ __device__ __forceinline__ int next_unit(int u, int ua, int* q) {
 }
 // the row loop of WO (kind 0: K = HDL) and W2 (kind 1: K = FL): units of NR rows, each warp's dot product
 // over the block's staged input of the unit's lane (sm + (l - l0) * K), combined into the residual and, with
-// several ranks, posted as LL words (mr_put; nothing with one rank)
+// several ranks, posted as LL words (mr_put; nothing with one rank). The caller resets the queue (reset_units)
+// before the barrier that precedes it.
 template <int NR, int K, int UB>
 __device__ __forceinline__ void combine_rows(const Params& p, float* sm, const wt* W, int i, int kind, int ua, int ub,
                                              int nbuf, int l0, const float* cb, const MrPost& mp) {
   constexpr int UPL = D / NR, UE = NR * K;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __shared__ int steal;
-  if (CFG_WSTEAL) {
-    __syncthreads();   // every warp is past the previous use of the queue
-    if (threadIdx.x == 0) steal = NW;
-    __syncthreads();
-  }
-  for (int u = ua + warp; u < ub; u = next_unit(u, ua, &steal)) {
+  for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL, r0 = (u % UPL) * NR;
     float acc[NR];
     if (u - ua < nbuf)

@@ -190,8 +190,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
         const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
         if (ov > bb || (ov == bb && oi < bidx)) { bb = ov; bidx = oi; }
       }
-      __syncthreads();   // bv / bi: the per-block reduction above is done with them
-      if (lane == 0) { bv[warp] = bb; bi[warp] = bidx; }
+      if (lane == 0) { bv[warp] = bb; bi[warp] = bidx; }   // thread 0 read them before the ticket's barrier
       __syncthreads();
       if (tid == 0) {
         for (int w = 0; w < NW; ++w)

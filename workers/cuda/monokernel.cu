@@ -310,6 +310,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
       sm[(l - l0) * HDL + xp(x, HDL)] = A / Ls;
     }
   cp_async_wait_all();
+  reset_units();
   __syncthreads();
   tmark(p, n, ph, 3);
   combine_rows<NR_WO, HDL, CFG_UB_WO>(p, sm, W, i, 0, ua, ub, nbuf, l0, cb, mp);
@@ -381,8 +382,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i + 1;
   if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 1) * L * D, l0, l1 - l0 + 1);
-  __shared__ int steal;
-  if (CFG_WSTEAL && threadIdx.x == 0) steal = NW;   // W13's unit queue (next_unit); read after the barriers below
+  reset_units();   // read after the barriers below
   if (WAITER) {
     const u64 tgt = (u64)(n * NL + i + 1) * UPL_WO;
     if (fused_step(s)) wait_lanes(p, C_WO, l0, l1, tgt);
@@ -396,7 +396,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
                    writer_mask(l0, l1, UPL_W13, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int u = ua + warp; u < ub; u = next_unit(u, ua, &steal)) {
+  for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
@@ -444,6 +444,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
       for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
   }
   cp_async_wait_all();
+  reset_units();
   __syncthreads();
   tmark(p, n, ph, 3);
   combine_rows<NR_W2, FL, CFG_UBMAX>(p, sm, W, i, 1, ua, ub, nbuf, l0, cb, mp);
