@@ -18,7 +18,9 @@
 //   mk_helpers.cuh    input planes, dot products, block ranges, block_sum, warp_dot
 //   mk_norms.cuh      residual reads (hval), stage_norms, stage_norms2, final_norms, writer_mask
 //   mk_combine.cuh    producers' combine, counter signal / wait, mr_final, KV prefetch
-//   this file         the phases QKV, ATT (with wo_stage_combine), WO, W13, W2
+//   this file         the phase QKV, WO's combine staging (wo_stage_combine, issued by ATT)
+//   mk_att.cuh        the attention phase (phase_att)
+//   this file         the phases WO, W13, W2
 //   mk_lm.cuh         the LM head and sampling (sample_full, phase_lm)
 //   this file         the kernel (monokernel) and monokernel_info
 #include "common.cuh"
@@ -133,143 +135,7 @@ __device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int t
   stage_combine(p, sm + CB_OFF, i, 0, ua, ub, NR_WO, UPL_WO, tok);
 }
 
-__device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i, int t, int tok) {
-  int ua, ub;
-  const int ph = 5 * i + 1;
-  tmark(p, n, ph, 0);
-  brange(U_ATT, ua, ub);
-  {  // the output projection's weights come next: ask L2 for them now
-    int wa, wb;
-    brange(U_WO, wa, wb);
-    const wt* Wo = p.w + (long long)i * LAYER_SZ + OFF_WO;
-    const int nb = wbuf_fill(sm, Wo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
-    prefetch_l2(Wo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO * sizeof(wt), PF_ATT);
-    if (CFG_ATTCB && wa < wb) wo_stage_combine(p, sm, n, i, tok, wa, wb);
-  }
-  if (ua >= ub) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* sq = sm;                        // [G][HD]
-  float* wacc = sm + G * HD;             // [NW][G][HD]
-  float* wm = wacc + NW * G * HD;        // [NW][G]
-  float* wl = wm + NW * G;               // [NW][G]
-  const int lo = sliding(i) ? max(0, t - SW + 1) : 0;
-  const int nvis = t - lo + 1;
-  const int CH = (nvis + NCH - 1) / NCH;
-  const float scale = 1.0f / sqrtf((float)HD);
-  constexpr int VCH = HD / VEC, S = 32 / VCH;
-  const int slot = lane / VCH, ch = lane % VCH;
-  int waited = -1;
-  for (int u = ua; u < ub; ++u) {
-    const int g = u / NCH, c = u % NCH, l = g / KVL;
-    if (l != waited) {
-      if (threadIdx.x == 0) SPIN(p, CTR(p, C_QKV * L + l), (u64)(n * NL + i + 1) * UPL_QKV);
-      waited = l;
-    }
-    __syncthreads();
-    if (u == ua) tmark(p, n, ph, 1);
-    for (int x = threadIdx.x; x < G * HD; x += NT) sq[x] = ldf(p.q + (long long)g * G * HD + x);
-    __syncthreads();
-    const int cs = lo + c * CH, ce = min(cs + CH, t + 1);
-    const wt* kb = p.kc + ((long long)i * KV + g) * p.max_seq * HD;
-    const wt* vb = p.vc + ((long long)i * KV + g) * p.max_seq * HD;
-    float m[G], ls[G], acc[G][VEC];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      m[h] = -1e30f; ls[h] = 0.f;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[h][e] = 0.f;
-    }
-    for (int j0 = cs + warp * 32; j0 < ce; j0 += NW * 32) {
-      const int j = j0 + lane;
-      const bool valid = j < ce;
-      float sc[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) sc[h] = 0.f;
-      if (valid) {
-        uint4 kv[VCH];
-#pragma unroll
-        for (int cc = 0; cc < VCH; ++cc) kv[cc] = ldc16(kb + (long long)j * HD + cc * VEC);
-#pragma unroll
-        for (int cc = 0; cc < VCH; ++cc)
-#pragma unroll
-          for (int h = 0; h < G; ++h) sc[h] += dot16(kv[cc], sq + h * HD + cc * VEC);
-      }
-      // this group's V rows: all loads in flight before the softmax reductions
-      constexpr int NKV = (32 + S - 1) / S;
-      uint4 vv[NKV];
-#pragma unroll
-      for (int q = 0; q < NKV; ++q) {
-        const int kk = q * S + slot;
-        if (slot < S && kk < 32 && j0 + kk < ce) vv[q] = ldc16(vb + (long long)(j0 + kk) * HD + ch * VEC);
-        else vv[q] = make_uint4(0u, 0u, 0u, 0u);
-      }
-      float pj[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const float sv = valid ? sc[h] * scale : -1e30f;
-        const float mn = fmaxf(m[h], warp_max(sv));
-        const float corr = expf(m[h] - mn);
-        pj[h] = valid ? expf(sv - mn) : 0.f;
-        ls[h] = ls[h] * corr + warp_sum(pj[h]);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[h][e] *= corr;
-        m[h] = mn;
-      }
-#pragma unroll
-      for (int q = 0; q < NKV; ++q) {
-        const int kk = q * S + slot;
-        float pv[G];
-#pragma unroll
-        for (int h = 0; h < G; ++h) pv[h] = __shfl_sync(0xffffffffu, pj[h], kk & 31);
-        if (slot < S && kk < 32 && j0 + kk < ce) {
-          float f[VEC];
-          unpack(vv[q], f);
-#pragma unroll
-          for (int h = 0; h < G; ++h)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[h][e] = fmaf(pv[h], f[e], acc[h][e]);
-        }
-      }
-    }
-    // slots of a warp -> slot 0
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float tot = acc[h][e];
-#pragma unroll
-        for (int so = 1; so < S; ++so) tot += __shfl_down_sync(0xffffffffu, acc[h][e], so * VCH);
-        acc[h][e] = tot;
-      }
-    if (lane < VCH) {
-#pragma unroll
-      for (int h = 0; h < G; ++h)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) wacc[(warp * G + h) * HD + ch * VEC + e] = acc[h][e];
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int h = 0; h < G; ++h) { wm[warp * G + h] = m[h]; wl[warp * G + h] = ls[h]; }
-    }
-    __syncthreads();
-    for (int x = threadIdx.x; x < G * HD; x += NT) {
-      const int h = x / HD, d = x % HD;
-      float M = -1e30f;
-      for (int w = 0; w < NW; ++w) M = fmaxf(M, wm[w * G + h]);
-      float A = 0.f, Ls = 0.f;
-      for (int w = 0; w < NW; ++w) {
-        const float e = expf(wm[w * G + h] - M);
-        A += wacc[(w * G + h) * HD + d] * e;
-        Ls += wl[w * G + h] * e;
-      }
-      float* o = p.attp + ((long long)(g * NCH + c) * G + h) * ATTP;
-      o[d] = A;
-      if (d == 0) { o[HD] = M; o[HD + 1] = Ls; }
-    }
-  }
-  signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
-  tmark(p, n, ph, 2);
-}
+#include "mk_att.cuh"
 
 __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
