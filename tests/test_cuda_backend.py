@@ -121,18 +121,6 @@ def test_lane_skew_keeps_the_ids(models):
     assert r.token_ids == ref
 
 
-@pytest.mark.parametrize("name", ["d2_L8_no_future_lane_scales", "d3_L1_gqa4_no_early_comm", "d1_L8_mha_slide_last"])
-def test_ll_hidden_vector_keeps_the_ids(models, name):
-    """CFG_LL_HID (W2 polls W13's {value, epoch} words instead of a counter) gives the numpy engine's ids, with
-    early comm (W13 still signals its counter for those layers), without it and with a single lane."""
-    ref, _, _ = _ref_greedy(models[name], PROMPT, GEN)
-    b = _backend(models[name], extra_defines={"CFG_LL_HID": 1})
-    r1 = b.run(_cmd(append=PROMPT, max_new_tokens=GEN), ignore_eos=True)
-    r2 = b.run(_cmd(append=PROMPT, max_new_tokens=GEN), ignore_eos=True)   # epochs restart: the poison must hold
-    b.close()
-    assert r1.token_ids == ref and r2.token_ids == ref
-
-
 def test_logits_match_numpy_engine_and_outputs_poisoned(models):
     name = "d2_L4_gqa2_slide_first"
     ref, ref_logits, _ = _ref_greedy(models[name], PROMPT, 40)

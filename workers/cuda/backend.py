@@ -129,7 +129,7 @@ class CudaBackend(Backend):
         self.buf = {
             "q": cp.empty(H * hd, f32),
             "attp": cp.empty(KV * self.k.nch * (H // KV) * (hd + 2), f32),
-            "hid": cp.empty(2 * rc.intermediate_size, f32),   # [L][FL] floats, or {value, epoch} words (CFG_LL_HID)
+            "hid": cp.empty(rc.intermediate_size, f32),
             "part": cp.empty(N * 2 * L * D, f32),
             "hres": cp.empty((2 * N + 1) * L * D, f32),
             "logits": cp.empty(V, f32),

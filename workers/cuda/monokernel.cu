@@ -185,56 +185,6 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 2);
 }
 
-// W13 -> W2 without a counter (CFG_LL_HID, one rank; unmeasured, off): W13 stores each silu*up value with its
-// epoch (token and layer) as one 8-byte word, and W2 polls the words it stages until they carry the epoch:
-// no release (a membar waiting for the rows' stores) and no counter round trip before the loads. p.hid holds
-// 2 FL floats a lane, poisoned with NaN (an epoch no run reaches) before every run. A word of layer i is
-// rewritten by W13 of layer i + 1 only after QKV(i + 1) of the lane, which waits for every W2(i) block of the
-// lane, and so for every read of it. C_W13 then counts only the layers whose W2 needs the W13 writer block's
-// residual version (i < delta with early comm).
-#ifndef CFG_LL_HID
-#define CFG_LL_HID 0
-#endif
-constexpr bool LLH = CFG_LL_HID && KOG_NRANKS == 1;
-constexpr int NSIG13 = (USE_COMM && USE_EARLY && LG > 1) ? (DELTA < NL ? DELTA : NL) : 0;
-__device__ __forceinline__ bool w13_signals(int i) { return !LLH || !fused_step(2 * i + 1); }
-__device__ __forceinline__ u64 w13_target(int n, int i) {   // C_W13 of a lane once W13(n, i) is done
-  return LLH ? (u64)(n * NSIG13 + i + 1) * UPL_W13 : (u64)(n * NL + i + 1) * UPL_W13;
-}
-__device__ __forceinline__ u32 hid_epoch(int n, int i) { return (u32)(n * NL + i + 1); }
-__device__ __forceinline__ void hid_put(const Params& p, int l, int j, float v, u32 e) {
-  u64* w = reinterpret_cast<u64*>(p.hid) + (long long)l * FL + j;
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(w), "l"(((u64)e << 32) | __float_as_uint(v)) : "memory");
-}
-__device__ __forceinline__ u64 hid_ld(const u64* w) {
-  u64 v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
-  return v;
-}
-// the block's lanes' hidden vectors into shared memory (planes as xp), each thread's words polled together
-__device__ __forceinline__ void hid_stage_ll(const Params& p, float* sm, int l0, int l1, u32 e) {
-  constexpr int HPT = (FL + NT - 1) / NT, PG = HPT < 4 ? HPT : 4;
-  for (int l = l0; l <= l1; ++l) {
-    const u64* hw = reinterpret_cast<const u64*>(p.hid) + (long long)l * FL;
-    for (int k0 = 0; k0 < HPT; k0 += PG) {
-      u64 w[PG];
-#pragma unroll
-      for (int k = 0; k < PG; ++k) {
-        const int x = threadIdx.x + (k0 + k) * NT;
-        w[k] = (k0 + k < HPT && x < FL) ? hid_ld(hw + x) : 0;
-      }
-#pragma unroll
-      for (int k = 0; k < PG; ++k) {
-        const int x = threadIdx.x + (k0 + k) * NT;
-        if (k0 + k < HPT && x < FL) {
-          while ((u32)(w[k] >> 32) != e) w[k] = hid_ld(hw + x);
-          sm[(l - l0) * FL + xp(x, FL)] = __uint_as_float((u32)w[k]);
-        }
-      }
-    }
-  }
-}
-
 __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   int ua, ub;
   const int ph = 5 * i + 3;
@@ -267,15 +217,10 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
     else warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
-    if (lane == 0) {
-      const float hv = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
-      if (LLH) hid_put(p, l, j, hv, hid_epoch(n, i));
-      else p.hid[(long long)l * FL + j] = hv;
-    }
+    if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
   }
   tmark(p, n, ph, 4);
-  if (w13_signals(i)) signal_lanes(p, C_W13, UPL_W13, ua, ub);
-  else __syncthreads();   // the next phase reuses the shared memory these rows read
+  signal_lanes(p, C_W13, UPL_W13, ua, ub);
   tmark(p, n, ph, 2);
 }
 
@@ -295,20 +240,15 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
     wait_delayed(p, C_W2, UPL_W2, n, i);
     // the residual base h[2i+1] of the block's lanes: WO(i), or the W13(i) writer block
     if (fused_step(2 * i + 1)) wait_lanes(p, C_WO, l0, l1, (u64)(n * NL + i + 1) * UPL_WO);
-    else wait_lanes(p, C_W13, l0, l1, w13_target(n, i));
+    else wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
   }
   __syncthreads();
   stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
-  if (LLH) {
-    tmark(p, n, ph, 1);
-    hid_stage_ll(p, sm, l0, l1, hid_epoch(n, i));
-  } else {
-    if (WAITER) wait_lanes(p, C_W13, l0, l1, w13_target(n, i));
-    __syncthreads();
-    tmark(p, n, ph, 1);
-    for (int l = l0; l <= l1; ++l)
-      for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
-  }
+  if (WAITER) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
+  __syncthreads();
+  tmark(p, n, ph, 1);
+  for (int l = l0; l <= l1; ++l)
+    for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
   cp_async_wait_all();
   reset_units();
   __syncthreads();
