@@ -1,4 +1,4 @@
-// mk_att.cuh: part of monokernel.cu (pasted in place after wo_stage_combine; not a standalone header).
+// mk_att.cuh: part of monokernel.cu (pasted in place after phase_qkv; not a standalone header).
 // The attention phase: units (kv head g, position chunk c); each block's warps split the chunk's positions,
 // keep an online softmax each, and the block merges them into (acc[HD], max, sum) per head in p.attp; WO
 // merges the chunks.
@@ -102,7 +102,6 @@ __device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i,
     const wt* Wo = p.w + (long long)i * LAYER_SZ + OFF_WO;
     const int nb = wbuf_fill(sm, Wo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
     prefetch_l2(Wo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO * sizeof(wt), PF_ATT);
-    if (CFG_ATTCB && wa < wb) wo_stage_combine(p, sm, n, i, tok, wa, wb);
   }
   if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
