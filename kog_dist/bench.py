@@ -57,6 +57,25 @@ def _commit() -> str:
         return "unknown"
 
 
+STORAGE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}   # --dtype -> the backend's storage type
+
+
+def device_name(dev_id: int) -> str:
+    import cupy as cp
+    name = cp.cuda.runtime.getDeviceProperties(dev_id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def finish_rows(mk: dict, bw: float) -> None:
+    """The decode rows' fraction of the copy bandwidth `bw` (bytes/s, measured in the same run) and the
+    long-context slowdown, from the rows' GB_per_s."""
+    for key in ("tg", "tg_ctx"):
+        if key in mk:
+            mk[key]["fraction_of_copy_bw"] = mk[key]["GB_per_s"] * 1e9 / bw
+    if "tg_ctx" in mk:
+        mk["ctx_slowdown"] = 1.0 - mk["tg_ctx"]["tokens_per_s"] / mk["tg"]["tokens_per_s"]
+
+
 def shape_config(name: str):
     from kog_dist.config import LaneformerConfig
     if name != "2b":
@@ -138,7 +157,7 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--shape", help="published shape with random weights made on the device (2b)")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="storage type for --shape")
+    ap.add_argument("--dtype", default="bf16", choices=tuple(STORAGE), help="storage type for --shape")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
     ap.add_argument("--pp", type=int, default=1024, help="prompt tokens for the prefill / TTFT row")
     ap.add_argument("--prompt", type=int, default=128)
@@ -200,9 +219,7 @@ def main(argv=None) -> int:
     from workers.cuda.build import build
     from workers.cuda.weights import random_weights
     dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    dev_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    report = {"date": time.strftime("%Y-%m-%d"), "device": dev_name, "commit": _commit(),
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(dev.id), "commit": _commit(),
               "sms": dev.attributes["MultiProcessorCount"], "args": vars(args)}
     try:
         from workers.cuda import torch_baseline as tb
@@ -213,7 +230,7 @@ def main(argv=None) -> int:
     bw = tb.measure_copy_bandwidth() if have_torch else cupy_copy_bandwidth()
     report["copy_bandwidth_GBps"] = bw / 1e9
     _say(f"copy bandwidth {bw / 1e9:.0f} GB/s ({'torch' if have_torch else 'cupy'})")
-    dtype = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[args.dtype]
+    dtype = STORAGE[args.dtype]
     need = max(args.pp + 1, args.prompt + args.gen, args.ctx)
     if args.shape:
         cfg = shape_config(args.shape)
@@ -237,11 +254,7 @@ def main(argv=None) -> int:
     report["compile_s"] = backend.k.compile_s
     report["monokernel"] = measure(backend, args)
     mk = report["monokernel"]
-    for key in ("tg", "tg_ctx"):
-        if key in mk:
-            mk[key]["fraction_of_copy_bw"] = mk[key]["GB_per_s"] * 1e9 / bw
-    if "tg_ctx" in mk:
-        mk["ctx_slowdown"] = 1.0 - mk["tg_ctx"]["tokens_per_s"] / mk["tg"]["tokens_per_s"]
+    finish_rows(mk, bw)
     backend.close()
     del backend
     cp.get_default_memory_pool().free_all_blocks()
@@ -291,7 +304,7 @@ def _emit(report: dict, args) -> int:
 
 def table(r: dict) -> str:
     mk = r["monokernel"]
-    dt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[r["dtype"]]
+    dt = {v: k for k, v in STORAGE.items()}[r["dtype"]]
     ours = "cpu (numpy)" if r.get("backend_rows") == "cpu" else "monokernel"
     rows = []
     pp = mk["pp"]

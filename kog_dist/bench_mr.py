@@ -37,7 +37,8 @@ def run_rank(args, say, emit) -> int:
     from mpi4py import MPI
 
     from kccl import Communicator
-    from kog_dist.bench import _commit, cupy_copy_bandwidth, measure, shape_config
+    from kog_dist.bench import (STORAGE, _commit, cupy_copy_bandwidth, device_name, finish_rows, measure,
+                                shape_config)
     from kog_dist.config import load_config
     from workers.cuda import multirank as mr
     from workers.cuda.backend import CudaBackend
@@ -59,7 +60,7 @@ def run_rank(args, say, emit) -> int:
     view = mr.RankView(cfg, rank, n)
     on_dev = comm.bus_ids.count(comm.bus_ids[rank])
     gpus = len(set(comm.bus_ids))
-    dtype = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[args.dtype]
+    dtype = STORAGE[args.dtype]
     extra = dict(d.split("=", 1) for d in args.define)
     sms = dev.attributes["MultiProcessorCount"]
     nb = args.nblocks or mr.blocks_per_rank(view, sms, on_dev)
@@ -88,16 +89,13 @@ def run_rank(args, say, emit) -> int:
     for key in ("tg", "tg_ctx"):
         if key in mk:
             mk[key]["GB_per_s"] = mk[key]["tokens_per_s"] * per_gpu / 1e9
-            mk[key]["fraction_of_copy_bw"] = mk[key]["GB_per_s"] * 1e9 / min(bws)
-    if "tg_ctx" in mk:
-        mk["ctx_slowdown"] = 1.0 - mk["tg_ctx"]["tokens_per_s"] / mk["tg"]["tokens_per_s"]
+    finish_rows(mk, min(bws))
     same = w.allgather(mk["tg"]["ids_head"])
     backend.close()
     comm.shutdown()
     if rank != 0:
         return 0
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    name = device_name(dev.id)
     model = f"laneformer-{args.shape} (random)" if args.shape else args.model
     report = {"date": time.strftime("%Y-%m-%d"), "device": f"{gpus} x {name}", "commit": _commit(),
               "sms": sms, "args": vars(args), "ranks": n, "gpus": gpus, "blocks_per_rank": nb,
