@@ -282,14 +282,6 @@ def test_slot_sizes_2b(n):
     assert win <= (n * 40 + 1) << 20, win   # per rank: 2 MiB slots x (2 + 3 tags x 6 depth) x N sources
 
 
-@pytest.mark.parametrize("total,piece", [(1, 4), (8, 4), (9, 4), (262144 * 3 + 5, 262144)])
-def test_gather_pieces_cover(total, piece):
-    p = mr.gather_pieces(total, piece)
-    assert p[0][0] == 0 and p[-1][1] == total and all(a < b <= a + piece for a, b in p)
-    assert all(p[k][1] == p[k + 1][0] for k in range(len(p) - 1))
-    assert all(a % 4 == 0 for a, _ in p)        # 16-byte aligned views (piece a multiple of 4)
-
-
 # ---- nvcc: the multi-rank kernel compiles (N = 2, 4, 8) --------------------------------------------
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 @pytest.mark.parametrize("n", [2, 8])

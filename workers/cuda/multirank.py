@@ -155,7 +155,3 @@ def epochs_run(cfg, tokens: int) -> dict:
     """What a launch that decoded `tokens` tokens posted on each tag (CudaCommunicator.advance)."""
     return {"attn": tokens * npost(cfg), "mlp": tokens * npost(cfg), "final": tokens}
 
-
-def gather_pieces(total: int, piece: int):
-    """[(start, stop)] covering [0, total) in pieces of at most `piece` floats (the host-API gathers)."""
-    return [(a, min(total, a + piece)) for a in range(0, total, piece)]

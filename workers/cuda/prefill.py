@@ -104,16 +104,10 @@ class Prefill:
 
     def _gather(self, P, dst):
         """dst [LG][T][D] = every rank's P [L][T][D] at its lanes (zeros elsewhere, summed over ranks)."""
-        from .multirank import gather_pieces
         dst.fill(0)
         g0 = self.cfg.lanes.start
         dst[g0:g0 + P.shape[0]] = P
-        if hasattr(self.comm, "allreduce_pieces"):     # every piece queued, one host wait
-            self.comm.allreduce_pieces(dst)
-            return
-        flat = dst.reshape(-1)
-        for a, b in gather_pieces(flat.size, self.comm.max_floats):
-            self.comm.allreduce(flat[a:b], out=flat[a:b])
+        self.comm.allreduce_pieces(dst)     # in slot-sized pieces, every piece queued, one host wait
 
     def _combine_kind(self, i, kind, W, m, K, inp, T, parts, X):
         cfg, fn = self.cfg, self.k.fn
