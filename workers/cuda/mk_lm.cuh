@@ -95,10 +95,6 @@ __device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter)
   return tok;
 }
 
-#ifndef CFG_TOKFAST
-#define CFG_TOKFAST 1   // token handoff: the ticket one acq_rel atomic (no SC fences); the sampler reduces the
-                        // blocks' greedy candidates with every thread (else thread 0 alone, 16 load round trips)
-#endif
 // L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
 // lanes that finish first wait longest; 256 KB measured neutral in the fifth session)
 #ifndef CFG_PF_LM
@@ -157,16 +153,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
       if (bv[w] > best || (bv[w] == best && bi[w] < besti)) { best = bv[w]; besti = bi[w]; }
     p.cand_v[blockIdx.x] = best;
     p.cand_i[blockIdx.x] = besti;
-#if CFG_TOKFAST
-    u64 tk;   // release: the block's candidates and logits (ordered by the barrier above); acquire: everyone's
+    u64 tk;   // one acq_rel atomic. Release: the block's candidates and logits (ordered by the barrier above);
+              // acquire: everyone's (no SC fences around it)
     asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(tk) : "l"(CTR(p, C_TICKET)) : "memory");
     last = (tk == (u64)(n + 1) * NB - 1);
-#else
-    __threadfence();
-    const u64 tk = atomicAdd(CTR(p, C_TICKET), 1ull);
-    last = (tk == (u64)(n + 1) * NB - 1);
-    if (last) __threadfence();
-#endif
   }
   __syncthreads();
   if (!last) return;
@@ -175,43 +165,29 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   const u64 counter = (u64)(p.start_pos + n + 1);
   int next;
   if (greedy) {
-#if CFG_TOKFAST
-    {  // (max logit, lowest index) over the blocks' candidates: one load each, a warp then a block reduction
-      float bb = NEG_INF;
-      int bidx = 0x7fffffff;
-      for (int b = tid; b < NB; b += NT) {
-        const float v = ldf(p.cand_v + b);
-        const int ix = __ldcg(p.cand_i + b);
-        if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bb, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-        if (ov > bb || (ov == bb && oi < bidx)) { bb = ov; bidx = oi; }
-      }
-      if (lane == 0) { bv[warp] = bb; bi[warp] = bidx; }   // thread 0 read them before the ticket's barrier
-      __syncthreads();
-      if (tid == 0) {
-        for (int w = 0; w < NW; ++w)
-          if (bv[w] > bb || (bv[w] == bb && bi[w] < bidx)) { bb = bv[w]; bidx = bi[w]; }
-        if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
-        last = bidx;
-      }
+    // (max logit, lowest index) over the blocks' candidates: every thread one load, a warp then a block
+    // reduction (thread 0 alone took 16 rounds of loads)
+    float bb = NEG_INF;
+    int bidx = 0x7fffffff;
+    for (int b = tid; b < NB; b += NT) {
+      const float v = ldf(p.cand_v + b);
+      const int ix = __ldcg(p.cand_i + b);
+      if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
     }
-#else
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bb, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
+      if (ov > bb || (ov == bb && oi < bidx)) { bb = ov; bidx = oi; }
+    }
+    if (lane == 0) { bv[warp] = bb; bi[warp] = bidx; }   // thread 0 read them before the ticket's barrier
+    __syncthreads();
     if (tid == 0) {
-      float bb = NEG_INF;
-      int bidx = 0x7fffffff;
-      for (int b = 0; b < NB; ++b) {
-        const float v = ldf(p.cand_v + b);
-        const int ix = __ldcg(p.cand_i + b);
-        if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
-      }
+      for (int w = 0; w < NW; ++w)
+        if (bv[w] > bb || (bv[w] == bb && bi[w] < bidx)) { bb = bv[w]; bidx = bi[w]; }
       if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
       last = bidx;
     }
-#endif
     __syncthreads();
     next = last;
   } else {
