@@ -283,11 +283,11 @@ class CudaBackend(Backend):
         except Exception as e:  # noqa: BLE001
             print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
         L = self.rcfg.num_lanes
-        host = host[::self.ctr.size // (5 * L + 4)]    # counters sit CTR_STRIDE words apart
+        host = host[::self.ctr.size // (5 * L + 5)]    # counters sit CTR_STRIDE words apart
         print(f"monokernel hang after {seen} tokens; status {list(self.status.a)}", file=sys.stderr)
         for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2")):
             print(f"  {name}: {list(host[ph * L:(ph + 1) * L])}", file=sys.stderr)
-        print(f"  ticket/token/tokval/stop: {list(host[5 * L:])}", file=sys.stderr, flush=True)
+        print(f"  ticket/token/token word/stop/cancel: {list(host[5 * L:])}", file=sys.stderr, flush=True)
         os._exit(17)
 
     def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg):

@@ -181,12 +181,14 @@ __device__ __forceinline__ void red_release(u64* p, u64 v) {
 __device__ __forceinline__ void st_release(u64* p, u64 v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ void spin_until(const u64* p, u64 target) {
-  while (ld_acquire(p) < target) {
+__device__ __forceinline__ u64 spin_until(const u64* p, u64 target) {   // returns the value that passed
+  u64 v;
+  while ((v = ld_acquire(p)) < target) {
 #if CFG_SPIN_NS > 0
     __nanosleep(CFG_SPIN_NS);
 #endif
   }
+  return v;
 }
 __device__ __forceinline__ void prefetch_l2(const void* base, long long bytes, long long limit) {
   long long n = bytes < limit ? bytes : limit;

@@ -1,6 +1,6 @@
 // mk_combine.cuh: part of monokernel.cu (pasted in place after mk_norms.cuh; not a standalone header).
 // The producers' combine into the residual (stage_combine, combine_finish, pick), the per-(phase, lane)
-// counters (signal_lanes, wait_lanes, wait_delayed), the final rows' exchange between ranks (mr_final,
+// counters (signal_lanes, wait_delayed), the final rows' exchange between ranks (mr_final,
 // KOG_NRANKS > 1) and the KV cache's L2 prefetch for attention (att_chunk, prefetch_kv).
 #pragma once
 
@@ -114,12 +114,6 @@ __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl
     }
   }
 }
-// The first warp waits, lane k on counter l0 + k: several lanes' polls in flight at once (thread 0 polling
-// them one after another ran 732-744 tokens/s against 767-770, fifth session).
-#define WAITER (threadIdx.x < 32)   // the threads that call wait_lanes
-__device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
-  for (int l = l0 + (int)(threadIdx.x & 31); l <= l1; l += 32) SPIN(p, CTR(p, phase * L + l), target);
-}
 // the delayed partials of layer i - DELTA must be complete before a producer of layer i combines
 __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl, int n, int i) {
   if (USE_COMM && LG > 1 && i >= DELTA && ((i - DELTA) >= DELTA || EARLY_FUTURE))
@@ -132,12 +126,11 @@ __device__ __forceinline__ void wait_delayed(const Params& p, int phase, int upl
 // in lane order into y. No acks: a rank posts token n + 2's rows only after every block of every rank
 // read token n's (each block reads them before its rank's sampler can give token n + 1, which every
 // rank's layer words of token n + 1 wait for), and the ring holds MR_DEPTH >= 6 tokens.
-__device__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y);
 __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) {
   const u64 e = (u64)(p.e0[2] + n);
   const unsigned tag = (unsigned)e;
   if (blockIdx.x == 0) {
-    final_norms(p, tok, red, p.yfin, nullptr);
+    final_norms(p, tok, red, p.yfin, nullptr, -1);
     if (threadIdx.x == 0) p.yfin[L * D] = __int_as_float(*(volatile const int*)p.cancel);
     __syncthreads();
     const long long off = mr_ll_off(CH_FIN, (int)kds.rank, e);

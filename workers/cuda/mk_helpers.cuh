@@ -1,6 +1,6 @@
 // mk_helpers.cuh: part of monokernel.cu (pasted in place after mk_multirank.cuh; not a standalone
 // header). Input planes in shared memory (xp, dotx), unit ranges of a block (brange, lane_units),
-// fused_step, block_sum and warp_dot (the weight rows' dot products).
+// fused_step, wait_lanes, block_sum and warp_dot (the weight rows' dot products).
 #pragma once
 
 // ---- helpers -----------------------------------------------------------------------------------
@@ -40,6 +40,13 @@ __device__ __forceinline__ bool fused_step(int s) {   // residual s written by i
   if (s == 0) return true;
   int i = (s - 1) / 2;
   return !(USE_COMM && USE_EARLY && i < DELTA && LG > 1);
+}
+
+// The first warp waits, lane k on counter l0 + k: several lanes' polls in flight at once (thread 0 polling
+// them one after another ran 732-744 tokens/s against 767-770, fifth session).
+#define WAITER (threadIdx.x < 32)   // the threads that call wait_lanes
+__device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
+  for (int l = l0 + (int)(threadIdx.x & 31); l <= l1; l += 32) SPIN(p, CTR(p, phase * L + l), target);
 }
 
 __device__ float block_sum(float v, float* red) {

@@ -116,15 +116,22 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   __shared__ int last;
   float best = NEG_INF;
   int besti = 0x7fffffff;
+#if KOG_NRANKS == 1
+  // the host's cancel flag: read here, off the sampler's path (a read of host memory is a PCIe round trip),
+  // by one thread of the grid (132 reads of one host word serialize on PCIe: 751 against 806 tokens/s), not a
+  // waiter, and handed to the sampler through its ticket
+  if (blockIdx.x == 0 && tid == 32) *CTR(p, C_CANCEL) = (u64)*(volatile const int*)p.cancel;
+#endif
   if (ua < ub) {
+#if KOG_NRANKS > 1
     if (WAITER) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
     tmark(p, n, 5 * NL, 1);
     cp_async_wait_all();
-#if KOG_NRANKS > 1
     mr_final(p, n, tok, red, y);
 #else
-    final_norms(p, tok, red, nullptr, y);
+    cp_async_wait_all();
+    final_norms(p, tok, red, nullptr, y, n);   // waits for each batch of lanes
 #endif
     __syncthreads();
     for (int u = ua + warp; u < ub; u += NW) {
@@ -160,6 +167,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   }
   __syncthreads();
   if (!last) return;
+#if KOG_NRANKS == 1
+  int cancel = 0;
+  if (tid == 0) cancel = (int)__ldcg(CTR(p, C_CANCEL));   // its latency under the candidates' reduction
+#endif
   // ---- the last block to finish the LM head samples the token ----
   const bool greedy = p.temperature <= 0.0 || p.top_k == 1;
   const u64 counter = (u64)(p.start_pos + n + 1);
@@ -197,11 +208,6 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   if (mr_bail()) return;                 // an exchange of this token failed: write no token
 #endif
   if (tid == 0) {
-    volatile int* ring = p.ring;
-    volatile int* st = p.status;
-    ring[n] = next;
-    __threadfence_system();
-    st[0] = n + 1;
     int reason = 0;
     for (int k = 0; k < p.n_eos; ++k) if (p.eos_ids[k] == next) reason = 1;
     if (!reason) for (int k = 0; k < p.n_stop; ++k) if (p.stop_ids[k] == next) reason = 2;
@@ -209,16 +215,24 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
 #if KOG_NRANKS > 1
     if (!reason && mr_cancel_s) reason = 4;    // any rank's host raised cancel (the same on every rank)
 #else
-    if (!reason && *(volatile const int*)p.cancel) reason = 4;
+    if (!reason && cancel) reason = 4;
 #endif
+    // the blocks first (the embedding row they read next into L2), then the host's ring and status, whose
+    // system fence waits for the ring's write over PCIe: off the blocks' path
+    prefetch_l2(p.emb + (long long)next * D, (long long)D * sizeof(wt), D * sizeof(wt));
+    *CTR(p, C_TOKEN) = (u64)(n + 1);
+    *CTR(p, C_STOP) = (u64)reason;
+    st_release(CTR(p, C_TOKVAL), ((u64)(n + 1) << 32) | ((u64)reason << 24) | (u64)next);
+    volatile int* ring = p.ring;
+    volatile int* st = p.status;
+    ring[n] = next;
+    __threadfence_system();
+    st[0] = n + 1;
     if (reason) {
       st[1] = reason;
       __threadfence_system();
       st[2] = 1;
     }
-    *CTR(p, C_TOKVAL) = (u64)next;
-    *CTR(p, C_STOP) = (u64)reason;
-    st_release(CTR(p, C_TOKEN), (u64)(n + 1));
   }
   __syncthreads();
 }

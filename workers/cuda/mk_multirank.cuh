@@ -51,12 +51,14 @@ __device__ __forceinline__ u64 mr_epoch(const Params& p, int kind, int n, int i)
 // host-mapped, a PCIe read: only the spins look at it, and they record it here (kccl_fail)
 __device__ __forceinline__ bool mr_dead() { return kccl_failed(kds); }
 // the monokernel's own counters, polled so that the grid leaves once the rank failed
-__device__ __forceinline__ void spin_mr(const u64* ptr, u64 target) {
-  for (unsigned it = 1; ld_acquire(ptr) < target; ++it)
+__device__ __forceinline__ u64 spin_mr(const u64* ptr, u64 target) {   // returns the value that passed (0: failed)
+  u64 v;
+  for (unsigned it = 1; (v = ld_acquire(ptr)) < target; ++it)
     if ((it & 1023u) == 0) {
       if (kds.abort && *(volatile const int*)kds.abort) kccl_fail(kds, KCCL_ERR_ABORTED, -1, 0, 0, 0);
-      if (mr_dead()) return;
+      if (mr_dead()) return 0;
     }
+  return v;
 }
 // block-uniform: leave the kernel?
 __device__ __forceinline__ bool mr_bail() {

@@ -99,13 +99,38 @@ __device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, in
   const float* gs = dst + GS_OFF;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[2][DPT];
-#pragma unroll
-  for (int k = 0; k < 2; ++k)
+  if (KOG_NRANKS == 1 && !fused_step(s)) {
+    // the early layers: every lane's residual is its own base plus the same sum of all lanes' partials, so
+    // the block's two lanes share one sum (L + 2 loads an element instead of 2L + 2); same bits as hval
+    const int i = (s - 1) / 2, kind = (s - 1) & 1;
 #pragma unroll
     for (int e = 0; e < DPT; ++e) {
       const int d = threadIdx.x + e * NT;
-      v[k][e] = (k < nl && d < D) ? hval(p, s, l0 + k, d, tok) : 0.f;
+      float P[L], b[2];
+      if (d < D) {
+        const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D + d;
+#pragma unroll
+        for (int j = 0; j < L; ++j) P[j] = ldf(pp + (long long)j * D);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) b[k] = k < nl ? hbase(p, s - 1, l0 + k, d, tok) : 0.f;
+        float tot = P[0];
+#pragma unroll
+        for (int j = 1; j < L; ++j) tot += P[j];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) v[k][e] = k < nl ? b[k] + tot : 0.f;
+      } else {
+        v[0][e] = v[1][e] = 0.f;
+      }
     }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int e = 0; e < DPT; ++e) {
+        const int d = threadIdx.x + e * NT;
+        v[k][e] = (k < nl && d < D) ? hval(p, s, l0 + k, d, tok) : 0.f;
+      }
+  }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     if (k >= nl) break;
@@ -143,12 +168,19 @@ __device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, in
 #define CFG_FNB 4
 #endif
 constexpr int FNB = MAXL < CFG_FNB ? MAXL : CFG_FNB;   // lanes per batch (registers: FNB * DPT floats)
-__device__ __noinline__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y) {
+// wait_n >= 0: the block waits for each batch's lanes of token wait_n's last W2 before it reads them, so
+// the lanes that finish first are normed while the others still stream; wait_n < 0: the caller waited
+__device__ __noinline__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y, int wait_n) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float acc[DPT];
 #pragma unroll
   for (int e = 0; e < DPT; ++e) acc[e] = 0.f;
   for (int kb = 0; kb < L; kb += FNB) {
+    if (wait_n >= 0) {
+      if (WAITER) wait_lanes(p, C_W2, kb, min(kb + FNB, L) - 1, (u64)(wait_n * NL + NL) * UPL_W2);
+      __syncthreads();
+      if (kb + FNB >= L) tmark(p, wait_n, 5 * NL, 1);
+    }
     float v[FNB][DPT];
 #pragma unroll
     for (int k = 0; k < FNB; ++k)

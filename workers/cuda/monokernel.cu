@@ -61,7 +61,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
   const int s = 2 * i;
-  if (NORM2) norm_g_load(sm, p.norms + (long long)(i * 2 + 0) * L * D, l0, l1 - l0 + 1);
+  if (NORM2 && !prefilled) norm_g_load(sm, p.norms + (long long)(i * 2 + 0) * L * D, l0, l1 - l0 + 1);
   if (WAITER && s > 0) {
     const u64 tgt = (u64)(n * NL + i) * UPL_W2;    // W2 of layer i-1 done
     if (fused_step(s)) wait_lanes(p, C_W2, l0, l1, tgt);
@@ -287,17 +287,19 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
       brange(U_QKV, ua, ub);
       const int nb = wbuf_fill(sm, p.w + (long long)ua * UE_QKV, ub - ua, UE_QKV, true);
       prefetch_l2(p.w + (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV * sizeof(wt), PF);
+      if (NORM2 && ua < ub)   // layer 0's norm weights do not depend on the token
+        norm_g_load(sm, p.norms, ua / UPL_QKV, (ub - 1) / UPL_QKV - ua / UPL_QKV + 1);
       tmark(p, n, 5 * NL + 1, 0);
       if (threadIdx.x == 0) {
-        SPIN(p, CTR(p, C_TOKEN), (u64)n);
-        tok_s = (int)__ldcg(CTR(p, C_TOKVAL));
-        stop_s = (int)__ldcg(CTR(p, C_STOP));
+        const u64 w = SPIN(p, CTR(p, C_TOKVAL), (u64)n << 32);   // the token word: no second round trip
+        tok_s = (int)(w & 0xffffffu);
+        stop_s = (int)((w >> 24) & 0xffu);
 #if KOG_NRANKS > 1
         if (mr_dead()) stop_s = 5;         // a kccl wait failed: the host reads comm.status
 #endif
       }
       __syncthreads();
-      if (stop_s) return;
+      if (stop_s) { cp_async_wait_all(); return; }
       tok = tok_s;
       tmark(p, n, 5 * NL + 1, 1);
     }
