@@ -15,9 +15,9 @@
 //   common.cuh        CFG_* configuration, storage types, conversions, memory helpers (with prefill.cu)
 //   mk_layout.cuh     rank count, units and weight layout, counters, shared-memory plan, Params, marks
 //   mk_multirank.cuh  exchanges between ranks (KOG_NRANKS > 1): epochs, LL words, mr_lane_sum
-//   mk_helpers.cuh    input planes, dot products, block ranges, block_sum, warp_dot
+//   mk_helpers.cuh    input planes, dot products, block ranges, counter wait (wait_lanes), block_sum, warp_dot
 //   mk_norms.cuh      residual reads (hval), stage_norms, stage_norms2, final_norms, writer_mask
-//   mk_combine.cuh    producers' combine, counter signal / wait, mr_final, KV prefetch
+//   mk_combine.cuh    producers' combine, counter signal, wait_delayed, mr_final, KV prefetch
 //   this file         the phase QKV
 //   mk_att.cuh        the attention phase (phase_att)
 //   this file         the phases WO (with wo_stage_combine), W13, W2
