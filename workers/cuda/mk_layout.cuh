@@ -38,13 +38,13 @@ constexpr long long LAYER_SZ = OFF_W2 + W2_SZ;
 constexpr int pow2_at_least(int v) { int p = 1; while (p < v) p <<= 1; return p; }
 constexpr int VPOW2 = pow2_at_least(V);
 constexpr int ATTP = HD + 2;                                // (acc[HD], m, l) per (unit, head)
-// counters (u64): per phase and lane, then the sampler's ticket, the token word and the cancel word. The token
-// word is {n + 1, stop reason, token} (32, 8, 24 bits): the blocks poll it and have the token in the same load.
+// counters (u64): per phase and lane, then ticket, token, token word, stop, cancel. The token word is
+// {n + 1, stop reason, token} (32, 8, 24 bits): the blocks poll it and have the token in the same load.
 static_assert(V < (1 << 24), "the token word holds a token in 24 bits");
 enum { C_QKV = 0, C_ATT = 1, C_WO = 2, C_W13 = 3, C_W2 = 4 };
-constexpr int C_TICKET = 5 * L, C_TOKVAL = 5 * L + 1, C_CANCEL = 5 * L + 2;
+constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STOP = 5 * L + 3, C_CANCEL = 5 * L + 4;
 constexpr int CTR_STRIDE = CFG_CTR_STRIDE;                   // u64 words between counters (16: own 128-byte line)
-constexpr int NCTR = (5 * L + 3) * CTR_STRIDE;
+constexpr int NCTR = (5 * L + 5) * CTR_STRIDE;
 static_assert(C_CANCEL + 1 == NCTR / CTR_STRIDE, "the cancel word is the last counter (backend.py: the hang report)");
 #define CTR(p, k) ((p).ctr + (long long)(k) * CTR_STRIDE)
 

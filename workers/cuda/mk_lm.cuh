@@ -220,6 +220,8 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     // the blocks first (the embedding row they read next into L2), then the host's ring and status, whose
     // system fence waits for the ring's write over PCIe: off the blocks' path
     prefetch_l2(p.emb + (long long)next * D, (long long)D * sizeof(wt), D * sizeof(wt));
+    *CTR(p, C_TOKEN) = (u64)(n + 1);
+    *CTR(p, C_STOP) = (u64)reason;
     st_release(CTR(p, C_TOKVAL), ((u64)(n + 1) << 32) | ((u64)reason << 24) | (u64)next);
     volatile int* ring = p.ring;
     volatile int* st = p.status;

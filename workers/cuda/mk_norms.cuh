@@ -113,12 +113,14 @@ __device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, in
 #pragma unroll
       for (int j = 0; j < L; ++j) P[e][j] = d < D ? ldf(pp + (long long)j * D + d) : 0.f;
     }
-    if (s - 1 == 0) {   // the base is the embedding row, the same for both lanes
+    if (s - 1 == 0) {   // the base is the embedding row
 #pragma unroll
-      for (int e = 0; e < DPT; ++e) {
-        const int d = threadIdx.x + e * NT;
-        b[e][0] = b[e][1] = d < D ? w2f(p.emb[(long long)tok * D + d]) : 0.f;
-      }
+      for (int e = 0; e < DPT; ++e)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int d = threadIdx.x + e * NT;
+          b[e][k] = (k < nl && d < D) ? w2f(p.emb[(long long)tok * D + d]) : 0.f;
+        }
     } else {
 #pragma unroll
       for (int e = 0; e < DPT; ++e)

@@ -305,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
     }
     for (int i = 0; i < NL; ++i) {
       phase_qkv(p, sm, n, i, t, tok, n > 0 && i == 0);
-      phase_att(p, sm, n, i, t);
+      phase_att(p, sm, n, i, t, tok);
       phase_wo(p, sm, n, i, tok);
       phase_w13(p, sm, n, i, tok);
       phase_w2(p, sm, n, i, tok);
