@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 CUDA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "cuda")
@@ -77,3 +78,31 @@ def test_lane_skew_only_where_measured():
     one_lane = LaneformerConfig.from_dict(dict(big.to_dict(), num_lanes=1))
     assert defines(one_lane, "BF16", 132)["CFG_SKEW_NS"] == 0
     assert defines(big, "BF16", 128, nranks=2, extra={"CFG_SKEW_NS": 0})["CFG_SKEW_NS"] == 0
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
+    """backend.counter_lines (the hang report) finds the phase counters, the ticket, the token word and the
+    cancel word where mk_layout.cuh puts them, and decodes the token word {n + 1, stop, token}."""
+    from kog_dist.bench import shape_config
+    from workers.cuda.backend import counter_lines
+    from workers.cuda.build import defines
+    prog = tmp_path / "ctr.cu"
+    prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n'
+                    'int main() { printf("%d %d %d %d %d\\n", NCTR, CTR_STRIDE, C_TICKET, C_TOKVAL, C_CANCEL); }\n')
+    exe = tmp_path / "ctr"
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", str(prog), "-o", str(exe)]
+                       + [f"-D{k}={v}" for k, v in defines(shape_config("2b"), "BF16", 128).items()],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    nctr, stride, ticket, tokval, cancel = map(int, subprocess.run([str(exe)], capture_output=True, text=True,
+                                                                   check=True).stdout.split())
+    lanes = 8
+    ctr = np.zeros(nctr, np.uint64)
+    ctr[3 * lanes * stride + 5 * stride] = 77                       # w13 of lane 5
+    ctr[ticket * stride] = 1280
+    ctr[tokval * stride] = (10 << 32) | (2 << 24) | 31999            # 10 tokens given, stop id, token 31999
+    ctr[cancel * stride] = 1
+    lines = counter_lines(ctr, lanes)
+    assert lines[3] == "  w13: [0, 0, 0, 0, 0, 77, 0, 0]"
+    assert lines[-1] == "  ticket 1280; token word: 10 tokens given, stop 2, last token 31999; cancel 1"

@@ -60,6 +60,19 @@ class _Mapped:
             self.ptr = 0
 
 
+def counter_lines(ctr: np.ndarray, lanes: int) -> list[str]:
+    """The monokernel's counters as the hang report prints them. mk_layout.cuh: 5 phases x lanes, then the
+    sampler's ticket, C_TOKEN and C_STOP (written, read by no kernel code), the token word {n + 1, stop,
+    token} and the cancel word, each CTR_STRIDE words apart."""
+    c = np.asarray(ctr, np.uint64)[::len(ctr) // (5 * lanes + 5)]
+    out = [f"  {name}: {[int(v) for v in c[ph * lanes:(ph + 1) * lanes]]}"
+           for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2"))]
+    w = int(c[5 * lanes + 2])
+    out.append(f"  ticket {int(c[5 * lanes])}; token word: {w >> 32} tokens given, stop {(w >> 24) & 0xff}, "
+               f"last token {w & 0xffffff}; cancel {int(c[5 * lanes + 4])}")
+    return out
+
+
 class CudaBackend(Backend):
     def __init__(self, model_dir: str | None = None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
@@ -282,12 +295,8 @@ class CudaBackend(Backend):
             rt.streamDestroy(s)
         except Exception as e:  # noqa: BLE001
             print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
-        L = self.rcfg.num_lanes
-        host = host[::self.ctr.size // (5 * L + 5)]    # counters sit CTR_STRIDE words apart
         print(f"monokernel hang after {seen} tokens; status {list(self.status.a)}", file=sys.stderr)
-        for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2")):
-            print(f"  {name}: {list(host[ph * L:(ph + 1) * L])}", file=sys.stderr)
-        print(f"  ticket/token/token word/stop/cancel: {list(host[5 * L:])}", file=sys.stderr, flush=True)
+        print("\n".join(counter_lines(host, self.rcfg.num_lanes)), file=sys.stderr, flush=True)
         os._exit(17)
 
     def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg):
