@@ -39,7 +39,7 @@ def smem_bytes(slots: int, size: int) -> int:
 
 def run(sms: list[int], mb: float, repeats: int) -> dict:
     import cupy as cp
-    from kog_dist.bench import cupy_copy_bandwidth
+    from kog_dist.bench import cupy_copy_bandwidth, device_name
     nsm = cp.cuda.Device().attributes["MultiProcessorCount"]
     sms = sorted({min(max(1, s), nsm) for s in sms})
     upb = max(16, int(mb * 2 ** 20) // UNIT_BYTES)
@@ -76,9 +76,8 @@ def run(sms: list[int], mb: float, repeats: int) -> dict:
             gbs = 2 * n * upb * UNIT_BYTES / min(times[1:]) / 1e9
             rows.append({"variant": name, "kernel": kern, "smem_bytes": smem, "sms": n, "GB_per_s": gbs,
                          "GB_per_s_per_sm": gbs / n, "fraction_of_copy_bw": gbs * 1e9 / bw})
-    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    return {"device": dev, "sms": nsm, "copy_bandwidth_GBps": bw / 1e9, "mb_per_block": upb * UNIT_BYTES / 2 ** 20,
-            "rows": rows}
+    return {"device": device_name(cp.cuda.Device().id), "sms": nsm, "copy_bandwidth_GBps": bw / 1e9,
+            "mb_per_block": upb * UNIT_BYTES / 2 ** 20, "rows": rows}
 
 
 def table(r: dict) -> str:
