@@ -68,6 +68,7 @@ def run_rank(args, say, emit) -> int:
     weights = None
     if args.shape:
         k = build(cfg, dtype, nb, args.prefetch, progress=rank == 0, extra=extra, nranks=n)
+        args.prefetch = int(k.defines["CFG_PF"])   # the report's args say what ran
         t0 = time.perf_counter()
         weights = random_weights(view, dtype, k, seed=args.seed)
         log(f"random {args.shape} weights of every rank on its device in {time.perf_counter() - t0:.1f} s")

@@ -80,6 +80,18 @@ def test_lane_skew_only_where_measured():
     assert defines(big, "BF16", 128, nranks=2, extra={"CFG_SKEW_NS": 0})["CFG_SKEW_NS"] == 0
 
 
+def test_prefetch_follows_the_rank_count():
+    """CFG_PF defaults to the measured bytes (64 KB for one rank, 32 KB for two: a rank's phases are 1/N of
+    the model's) and 16 KB beyond; an explicit prefetch or define wins."""
+    from kog_dist.bench import shape_config
+    from workers.cuda.build import defines
+    big = shape_config("2b")
+    assert {n: defines(big, "BF16", 128, nranks=n)["CFG_PF"] for n in (1, 2, 4, 8)} == \
+        {1: 65536, 2: 32768, 4: 16384, 8: 16384}
+    assert defines(big, "BF16", 128, 4096, nranks=2)["CFG_PF"] == 4096
+    assert defines(big, "BF16", 128, nranks=2, extra={"CFG_PF": 0})["CFG_PF"] == 0
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
     """backend.counter_lines (the hang report) finds the phase counters, the ticket, the token word and the

@@ -76,7 +76,7 @@ def counter_lines(ctr: np.ndarray, lanes: int) -> list[str]:
 class CudaBackend(Backend):
     def __init__(self, model_dir: str | None = None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
-                 prefetch: int = 65536, prefill_chunk: int = 2048, extra_defines: dict | None = None):
+                 prefetch: int | None = None, prefill_chunk: int = 2048, extra_defines: dict | None = None):
         import cupy as cp
         from kog_dist.config import load_config
 

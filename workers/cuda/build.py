@@ -23,11 +23,14 @@ def source() -> str:
     return inline_sources([os.path.join(HERE, f) for f in SOURCES])
 
 
-def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | None = None,
+def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: dict | None = None,
             nranks: int = 1) -> dict:
     """-D options of one build. nranks > 1: the kernel of one of nranks ranks (multirank.defines: the
-    rank's lanes/heads/kv heads/ffn rows, CFG_LG, KOG_NRANKS); nranks == 1 gives the measured build's."""
+    rank's lanes/heads/kv heads/ffn rows, CFG_LG, KOG_NRANKS); nranks == 1 gives the measured build's.
+    prefetch None: prefetch_bytes(nranks)."""
     sw = cfg.sliding_window or 0
+    if prefetch is None:
+        prefetch = prefetch_bytes(nranks)
     if nranks > 1:
         from .multirank import defines as mr_defines
         d = defines(cfg, dtype, nblocks, prefetch, None)
@@ -43,6 +46,16 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int = 65536, extra: dict | 
         "CFG_THETA": repr(float(cfg.rope_theta)), "CFG_EPS": repr(float(cfg.norm_eps)) + "f",
         "CFG_NB": nblocks, "CFG_PF": prefetch, "CFG_SKEW_NS": skew_ns(cfg, dtype), **(extra or {}),
     }
+
+
+def prefetch_bytes(nranks: int = 1) -> int:
+    """CFG_PF: bytes of its next weights each block asks L2 for before it waits. A rank's phases are 1/N of
+    the model's, so fewer ranks prefetch more (2B shape, H200s, 2026-11-29, tokens/s):
+    - one rank: 64 KB (32 / 48 / 96 / 128 KB: 811.6 / 824.3 / 820.7 / 804.6 against 821.7-836.4; none: -4%);
+    - two ranks, one GPU each: 32 KB (931.2 / 934.5 against 906.5 / 908.3 at 64 KB; 16 KB 932.3 / 931.0,
+      24 KB 931.3 / 941.0, 48 KB 909.2 / 913.2, none 915.6 / 920.1);
+    - more ranks: 16 KB, unmeasured (no machine of 4 or 8 GPUs was lent)."""
+    return 65536 if nranks <= 1 else (32768 if nranks == 2 else 16384)
 
 
 def skew_ns(cfg, dtype: str, nranks: int = 1) -> int:
@@ -138,7 +151,7 @@ class Kernels:
             self.fn["pf_combine_mr"] = module.get_function("pf_combine_mr")
 
 
-def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True,
+def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True,
           extra: dict | None = None, nranks: int = 1) -> Kernels:
     """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_NR_WO, CFG_UB_QKV, CFG_UB_WO,
     CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_BULK, CFG_PF_ATT, CFG_SKEW_NS); the defaults are what the backend uses.
