@@ -169,8 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-repeats", type=int, default=3)
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     ap.add_argument("--prefetch", type=int, default=None,
-                    help="L2 prefetch bytes per block and phase (default: 64 KB with one rank, 32 KB with two, "
-                         "16 KB with more)")
+                    help="L2 prefetch bytes per block and phase (default: 32 KB with two ranks, else 64 KB)")
     ap.add_argument("--nblocks", type=int, default=None)
     ap.add_argument("--define", action="append", default=[], metavar="CFG_X=V",
                     help="extra compile-time define of the monokernel (tuning variants)")

@@ -490,7 +490,10 @@ def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n):
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     got = {int(line.split()[1]): json.loads(line.split(None, 2)[2])
            for line in res.stdout.splitlines() if line.startswith("IDS ")}
-    assert sorted(got) == list(range(n)), res.stdout[-3000:]
+    # mpirun forwards every rank's stdout into one stream: say which rank's line is missing or mangled
+    odd = [line[:160] for line in res.stdout.splitlines() if "IDS" in line and not line.startswith("IDS ")]
+    assert sorted(got) == list(range(n)), f"no IDS line from ranks {sorted(set(range(n)) - set(got))}; " \
+        f"lines with IDS inside: {odd}; stderr: {res.stderr[-1500:]}"
     for r, ids in got.items():
         for k, (a, b) in enumerate(zip(ids, want)):
             if a != b:

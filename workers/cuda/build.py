@@ -50,12 +50,12 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
 
 def prefetch_bytes(nranks: int = 1) -> int:
     """CFG_PF: bytes of its next weights each block asks L2 for before it waits. A rank's phases are 1/N of
-    the model's, so fewer ranks prefetch more (2B shape, H200s, 2026-11-29, tokens/s):
+    the model's, so a rank of several needs less (2B shape, H200s, 2026-11-29, tokens/s):
     - one rank: 64 KB (32 / 48 / 96 / 128 KB: 811.6 / 824.3 / 820.7 / 804.6 against 821.7-836.4; none: -4%);
     - two ranks, one GPU each: 32 KB (931.2 / 934.5 against 906.5 / 908.3 at 64 KB; 16 KB 932.3 / 931.0,
       24 KB 931.3 / 941.0, 48 KB 909.2 / 913.2, none 915.6 / 920.1);
-    - more ranks: 16 KB, unmeasured (no machine of 4 or 8 GPUs was lent)."""
-    return 65536 if nranks <= 1 else (32768 if nranks == 2 else 16384)
+    - more ranks: 64 KB as before, since no machine of 4 or 8 GPUs was lent to measure a smaller size."""
+    return 32768 if nranks == 2 else 65536
 
 
 def skew_ns(cfg, dtype: str, nranks: int = 1) -> int:
