@@ -185,6 +185,10 @@ def main(argv=None) -> int:
     ap.add_argument(IN_MPI, action="store_true", dest="in_mpi", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    err = _check_sizes(args)
+    if err:
+        print(f"kog bench: error: {err}", file=sys.stderr)
+        return 2
     from workers.factory import cuda_available
     if args.nranks != 1 and not args.in_mpi:
         err = _check_np(args)
@@ -276,6 +280,19 @@ def main(argv=None) -> int:
             b["GB_per_s"] = b["tokens_per_s"] * mk["streamed_bytes_per_token"] / 1e9
             b["fraction_of_copy_bw"] = b["GB_per_s"] * 1e9 / bw
     return _emit(report, args)
+
+
+def _check_sizes(args) -> str | None:
+    """Why the counts and sizes cannot make a benchmark, in one line, or None."""
+    for flag, v, lo in (("--reps", args.reps, 1), ("--baseline-repeats", args.baseline_repeats, 1),
+                        ("--pp", args.pp, 1), ("--prompt", args.prompt, 1), ("--gen", args.gen, 1),
+                        ("--ctx", args.ctx, 0), ("--ctx-gen", args.ctx_gen, 1), ("--prefetch", args.prefetch, 0),
+                        ("--nblocks", args.nblocks, 1)):
+        if v is not None and v < lo:
+            return f"{flag} must be >= {lo} (got {v})"
+    if args.ctx and args.ctx_gen >= args.ctx:
+        return f"--ctx-gen ({args.ctx_gen}) must be below --ctx ({args.ctx}): the row decodes at that context"
+    return None
 
 
 def _check_np(args) -> str | None:

@@ -52,3 +52,18 @@ def test_np_is_checked_before_any_rank_starts(tmp_path):
         pass
     r = kog("bench", "--model", d, "--np", "2")
     assert r.returncode == 2 and "needs CuPy and a CUDA GPU on every rank" in r.stderr
+
+
+def test_bad_sizes_are_one_line_errors(tmp_path):
+    """Counts and sizes that cannot make a row are refused before any work, one line and exit 2."""
+    d = str(tmp_path / "m")
+    write_tiny_checkpoint(d, num_lanes=4)
+    for args, why in ((("--reps", "0"), "--reps must be >= 1 (got 0)"),
+                      (("--gen", "0"), "--gen must be >= 1"),
+                      (("--pp", "-1"), "--pp must be >= 1"),
+                      (("--prefetch", "-5"), "--prefetch must be >= 0"),
+                      (("--nblocks", "0"), "--nblocks must be >= 1"),
+                      (("--baseline-repeats", "0"), "--baseline-repeats must be >= 1"),
+                      (("--ctx", "100", "--ctx-gen", "100"), "--ctx-gen (100) must be below --ctx (100)")):
+        r = kog("bench", "--backend", "cpu", "--model", d, *args)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
