@@ -13,7 +13,7 @@ SUBCOMMANDS = {  # name -> (module, one-line help)
     "generate": (None, "decode one prompt (one process, or --np N ranks under mpiexec)"),
     "checkpoint": (None, "write test checkpoints (kog checkpoint tiny DIR ...)"),
     "bench": ("kog_dist.bench", "llama-bench style speed table (prefill, decode, GB/s, baselines)"),
-    "client": ("kog_dist.client", "talk to a running server: generate, health, stats, run SCRIPT.jsonl"),
+    "client": ("kog_dist.client_cli", "talk to a running server: generate, health, stats, run SCRIPT.jsonl"),
     "serve": ("workers.__main__", "run a rank (same as kog-worker; start it under mpiexec for several)"),
     "topo": ("topology.cli", "machine topology report and rank placement plan"),
     "launch": ("launch.cli", "start ranks with the launcher that is present (mpiexec, mpirun, srun)"),
