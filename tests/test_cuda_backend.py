@@ -1,7 +1,7 @@
 """The cuda backend (monokernel) against the numpy reference engine and a float32 CuPy computation.
 Runs on the GPU machine: `pytest -m gpu tests/test_cuda_backend.py`; skips cleanly without CuPy or a GPU.
 KOG_TEST_DEFINES="CFG_X=1 CFG_Y=2" adds compile-time defines to every kernel built here, to check a tuning
-variant of the monokernel against the same references."""
+variant of the monokernel against the same references; KOG_TEST_NBLOCKS=N builds them for N blocks."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,11 +79,13 @@ def _ref_greedy(model_dir, prompt, n):
 
 
 TEST_DEFINES = dict(d.split("=", 1) for d in os.environ.get("KOG_TEST_DEFINES", "").split())
+TEST_NBLOCKS = int(os.environ.get("KOG_TEST_NBLOCKS", "0")) or None   # a block count other than the default
 
 
 def _backend(model_dir, **kw):
     from workers.cuda.backend import CudaBackend
     kw["extra_defines"] = {**TEST_DEFINES, **kw.get("extra_defines", {})}
+    kw.setdefault("nblocks", TEST_NBLOCKS)
     return CudaBackend(model_dir, max_seq=kw.pop("max_seq", 512), num_slots=2, progress=False, **kw)
 
 
