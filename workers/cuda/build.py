@@ -52,8 +52,9 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
 def qkv_loads(nranks: int = 1) -> int:
     """CFG_UB_QKV: 16-byte loads in flight per lane in a QKV unit (two rows of D). At 24 a unit's two 6 KB
     rows (12 loads a lane each for D = 3072 in bf16) go out in one batch, one round trip, instead of two
-    batches at the 12 of the other phases (2B shape, one H200, 2026-11-29, interleaved medians of 5:
-    830.6 / 834.9 against 821.3 / 811.1 / 821.2 tokens/s). Several ranks keep 12 (not measured there)."""
+    batches at the 12 of the other phases (2B shape, H200s, 2026-11-29, interleaved medians of 5 on three
+    leases: 830.6 / 834.9 against 821.3 / 811.1 / 821.2, 800.0 / 797.1 / 791.1 against 781.1 / 779.7 / 777.0,
+    832.8 / 826.4 against 811.7 / 819.4 tokens/s). Several ranks keep 12 (not measured there)."""
     return 24 if nranks == 1 else 12
 
 
