@@ -54,8 +54,10 @@ def qkv_loads(nranks: int = 1) -> int:
     rows (12 loads a lane each for D = 3072 in bf16) go out in one batch, one round trip, instead of two
     batches at the 12 of the other phases (2B shape, H200s, 2026-11-29, interleaved medians of 5 on three
     leases: 830.6 / 834.9 against 821.3 / 811.1 / 821.2, 800.0 / 797.1 / 791.1 against 781.1 / 779.7 / 777.0,
-    832.8 / 826.4 against 811.7 / 819.4 tokens/s). Several ranks keep 12 (not measured there)."""
-    return 24 if nranks == 1 else 12
+    832.8 / 826.4 against 811.7 / 819.4 tokens/s). Two ranks, one H200 each (2026-11-30, medians of 3,
+    interleaved): 939.0 / 941.0 / 940.3 against 930.4 / 933.5 / 929.8. Four and eight ranks keep 12 (no such
+    machine was lent to measure them)."""
+    return 24 if nranks <= 2 else 12
 
 
 def prefetch_bytes(nranks: int = 1) -> int:
