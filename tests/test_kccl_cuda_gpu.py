@@ -5,7 +5,8 @@ their kernels run at the same time: `nvidia-cuda-mps-control -d`). Under Open MP
 KCCL_MPIEXEC=mpirun and OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 OMPI_MCA_rmaps_base_oversubscribe=1 as needed (kccl/device/run_gpu_checks.sh does).
 
-- host API (allreduce fp32/fp16, broadcast, barrier, DTP post/collect, misuse) against numpy;
+- host API (allreduce fp32/fp16, broadcast, barrier, DTP post/collect, misuse, a SharedBuffer's
+  copies between ranks) against numpy;
 - stress: thousands of rounds inside the persistent test kernel (ids n2/n4/n8: 4000, 3000, 3000),
   several blocks per rank, random delays per rank/block/round, all-reduce and DTP delta=2, bitwise
   against a host-side rank-order sum;
@@ -97,6 +98,25 @@ try:   # ranks in different ops: every rank gets an error, none hangs
 except KcclError as e:
     assert "different orders" in str(e), e
 comm2.close()
+# a buffer of every rank, mapped into the others (the multi-rank prefill's exchange): rounds of write own
+# part, barrier, copy every peer's part out of its buffer; then sizes that differ fail on every rank
+from kccl.cuda_shared import SharedBuffer
+sb = SharedBuffer(comm, n * 4096 * 4)
+for rnd in range(3):
+    sb.view(r * 4096 * 4, (4096,), np.float32)[:] = cp.asarray(part(500 + rnd, r, 4096, np.float32))
+    comm.barrier()
+    for q in range(n):
+        sb.copy_from(q, q * 4096 * 4, 4096 * 4)
+    got = sb.view(0, (n, 4096), np.float32).get()
+    for q in range(n):
+        assert np.array_equal(got[q], part(500 + rnd, q, 4096, np.float32)), (rnd, q)
+    comm.barrier()   # every rank has read before anyone writes the next round
+sb.close()
+try:
+    SharedBuffer(comm, 4096 + 16 * r)
+    raise SystemExit("unequal shared buffer sizes accepted")
+except KcclError as e:
+    assert "shares" in str(e), e
 world.Barrier()
 comm.close()
 print("OK", r, flush=True)

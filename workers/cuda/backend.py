@@ -184,6 +184,7 @@ class CudaBackend(Backend):
             return
         for m in (self.ring, self.status, self.cancel):
             m.free()
+        self.prefill.close()
         self.caches = [None] * self.num_slots
 
     def _cache(self, slot: int):

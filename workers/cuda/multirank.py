@@ -12,8 +12,6 @@ raise PeerLost) and on two H200s (N = 2: the one-rank ids, 791 tokens/s against 
 from __future__ import annotations
 
 TAGS = ("attn", "mlp", "final")      # channels 1, 2, 3 of the CudaCommunicator (kernel: 1 + kind, CH_FIN)
-PREFILL_FLOATS = 1 << 19             # slot floats at least: the prefill gathers in slot-sized pieces, one kernel
-                                     # each (2 MB slots: 80 MB of window a rank at N = 2, 320 MB at N = 8)
 
 
 class RankView:
@@ -134,9 +132,9 @@ def ll_floats(cfg, nranks: int) -> int:
 
 
 def max_floats(cfg, nranks: int) -> int:
-    """Slot capacity for CudaCommunicator.create: a layer's LL words, the final payload, and the prefill
-    gathers' pieces."""
-    return max(ll_floats(cfg, nranks), final_floats(cfg, nranks), PREFILL_FLOATS)
+    """Slot capacity for CudaCommunicator.create: a layer's LL words and the final payload (the prefill
+    exchanges through a kccl.cuda_shared.SharedBuffer, not the window)."""
+    return max(ll_floats(cfg, nranks), final_floats(cfg, nranks))
 
 
 def comm_kwargs(cfg, nranks: int, timeout: float = 30.0) -> dict:

@@ -18,10 +18,12 @@ DT_CODE = {"BF16": CUDA_R_16BF, "F16": CUDA_R_16F, "F32": CUDA_R_32F}
 
 class Prefill:
     """cfg: the shapes this rank computes (the model's config, or a multirank.RankView). comm (several
-    ranks, a kccl CudaCommunicator): each layer's partials [L/N][T][D] are gathered into every lane's
-    [L][T][D] with host-API all-reduces of zero-padded pieces between the GEMMs (x + 0 + ... = x), and
-    pf_combine_mr applies the combine to the rank's lanes in lane order (the one-rank arithmetic).
-    Multi-rank: run on one GPU shared by several ranks (MPS), not yet across GPUs."""
+    ranks, a kccl CudaCommunicator): each layer's partials of every lane [LG][T][D] live in a
+    kccl.cuda_shared.SharedBuffer that every rank maps; a rank's GEMM writes its lanes' rows in place, a
+    comm.barrier() orders every rank's writes, and each rank copies the other ranks' lanes straight out of
+    their buffers (one copy per peer, over NVLink between GPUs), then pf_combine_mr applies the combine to
+    its lanes in lane order (the one-rank arithmetic). A slot of the buffer is written again 2 (delta + 1)
+    exchanges later, after every rank has passed the barriers that follow its copies."""
 
     def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None):
         import cupy as cp
@@ -35,6 +37,12 @@ class Prefill:
         self._bufs = {}
         self.wdt = DT_CODE[dw.dtype]
         self.compute = CUBLAS_COMPUTE_32F_PEDANTIC if dw.dtype == "F32" else CUBLAS_COMPUTE_32F
+        self.shared = None   # the multi-rank exchange buffer, made at the first prompt (collective)
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
     def _buf(self, name, shape, dtype):
         cp = self.cp
@@ -69,15 +77,16 @@ class Prefill:
         rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
         delta = cfg.broadcast_delay
         st = dw.w.dtype
-        if self.comm is not None:
-            LG = cfg.full.num_lanes
-            self._all = self._buf("PA", (delta + 1, 2, LG, T, D), cp.float32)
+        if self.comm is not None and self.shared is None:
+            from kccl.cuda_shared import SharedBuffer
+            self._tcap = min(self.max_chunk, max_seq)   # every rank passes the same max_seq
+            self.shared = SharedBuffer(self.comm, (delta + 1) * 2 * cfg.full.num_lanes * self._tcap * D * 4)
         ids_d = cp.asarray(np.asarray(ids, dtype=np.int32))
         X = self._buf("X", (L, T, D), cp.float32)
         Xn = self._buf("Xn", (L, T, max(D, fl, hdl)), st)
         Y = self._buf("Y", (L, T, max(rqkv, 2 * fl)), cp.float32)
         Q = self._buf("Q", (L, T, hdl), cp.float32)
-        parts = self._buf("P", (delta + 1, 2, L, T, D), cp.float32)
+        parts = self._buf("P", (delta + 1, 2, L, T, D), cp.float32) if self.comm is None else None
         grid = lambda n: (int(max(1, min(65535, (n + 255) // 256))),)
         fn["pf_embed"](grid(T * D), (256,), (dw.emb, ids_d, np.int32(T), X))
         for i in range(N):
@@ -102,30 +111,38 @@ class Prefill:
             fn["pf_silu"](grid(L * T * fl), (256,), (y, hb, np.int64(L * T * fl)))
             self._combine_kind(i, 1, r["w2"], D, fl, hb, T, parts, X)
 
-    def _gather(self, P, dst):
-        """dst [LG][T][D] = every rank's P [L][T][D] at its lanes (zeros elsewhere, summed over ranks)."""
-        dst.fill(0)
-        g0 = self.cfg.lanes.start
-        dst[g0:g0 + P.shape[0]] = P
-        self.comm.allreduce_pieces(dst)     # in slot-sized pieces, every piece queued, one host wait
+    def _lanes_all(self, slot: int, kind: int, T: int):
+        """(byte offset, [LG][T][D] float32 view) of an exchange slot in the shared buffer."""
+        LG, D = self.cfg.full.num_lanes, self.cfg.hidden_size
+        off = (slot * 2 + kind) * LG * self._tcap * D * 4
+        return off, self.shared.view(off, (LG, T, D), np.float32)
+
+    def _exchange(self, off: int, T: int) -> None:
+        """Every rank's lanes of the slot at `off` into this rank's buffer (the one-rank [LG][T][D])."""
+        L, D = self.cfg.num_lanes, self.cfg.hidden_size
+        self.comm.barrier()                 # every rank's GEMM of this slot is done (stream order)
+        for q in range(self.comm.size):     # rank q runs lanes [q L, (q + 1) L)
+            self.shared.copy_from(q, off + q * L * T * D * 4, L * T * D * 4)
 
     def _combine_kind(self, i, kind, W, m, K, inp, T, parts, X):
         cfg, fn = self.cfg, self.k.fn
         delta = cfg.broadcast_delay
-        P = parts[i % (delta + 1), kind]
-        self._gemm(W, m, K, inp, T, P)
         if self.comm is not None:
-            PA = self._all[i % (delta + 1), kind]
-            self._gather(P, PA)
+            off, PA = self._lanes_all(i % (delta + 1), kind, T)
+            g0 = cfg.lanes.start
+            self._gemm(W, m, K, inp, T, PA[g0:g0 + cfg.num_lanes])
+            self._exchange(off, T)
             j = i - delta
             old = None
             if cfg.use_comm and j >= 0 and (j >= delta or cfg.early_layers_to_future):
-                old = self._all[j % (delta + 1), kind]
+                old = self._lanes_all(j % (delta + 1), kind, T)[1]
             n = T * cfg.hidden_size
             grid = (int(max(1, min(65535, (n + 255) // 256))),)
             fn["pf_combine_mr"](grid, (256,), (X, PA, old if old is not None else np.uint64(0), np.int32(i),
                                               np.int32(T), np.int32(cfg.lanes.start)))
             return
+        P = parts[i % (delta + 1), kind]
+        self._gemm(W, m, K, inp, T, P)
         old = None
         j = i - delta
         if cfg.use_comm and j >= 0 and (j >= delta or cfg.early_layers_to_future):
