@@ -24,6 +24,7 @@ import numpy as np
 from .cuda_layout import (COLL, COLL_DEPTH, M_ACK, M_COPY, M_POST, M_SUM, M_WAIT, MAGIC, OP_ALLREDUCE,
                           OP_BARRIER, OP_BROADCAST, OP_POST, RECORD_BYTES, STATUS_WORDS, THREADS,
                           CudaLayout, _module, allgather_bytes, check_records, pack_record, unpack_record)
+from .cuda_shared import release_ipc
 from .errors import KcclError, unknown_tag
 from .shm import process_starttime, register, unregister
 
@@ -394,22 +395,8 @@ class CudaCore:
         import cupy as cp
 
         rt = cp.cuda.runtime
-        try:
-            rt.deviceSynchronize()  # no kernel of ours may still use the mappings
-        except Exception:  # noqa: BLE001 - a faulted context: free what we can
-            pass
-        for ptr in self._opened:
-            try:
-                rt.ipcCloseMemHandle(ptr)
-            except Exception:  # noqa: BLE001
-                pass
-        self._opened = []
-        if self._own:
-            try:
-                rt.free(self._own)
-            except Exception:  # noqa: BLE001
-                pass
-            self._own = 0
+        release_ipc(self._opened, self._own)   # no kernel of ours may still use the mappings
+        self._opened, self._own = [], 0
         if self._host:
             self._status = self._abort = None
             try:

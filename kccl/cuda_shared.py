@@ -84,23 +84,26 @@ class SharedBuffer:
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after this device's work on them is done)."""
-        import cupy as cp
-
-        rt = cp.cuda.runtime
         if self._opened or self.own:
-            try:
-                rt.deviceSynchronize()
-            except Exception:  # noqa: BLE001 - a faulted context: free what we can
-                pass
-        for ptr in self._opened:
-            try:
-                rt.ipcCloseMemHandle(ptr)
-            except Exception:  # noqa: BLE001
-                pass
-        self._opened = []
-        if self.own:
-            try:
-                rt.free(self.own)
-            except Exception:  # noqa: BLE001
-                pass
-            self.own = 0
+            release_ipc(self._opened, self.own)
+        self._opened, self.own = [], 0
+
+
+def release_ipc(opened, own: int) -> None:
+    """Wait for this device's work, close the peers' mapped allocations `opened` and free `own` (0: none).
+    Errors are passed over: in a faulted context, free what can be freed."""
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    _quiet(rt.deviceSynchronize)
+    for ptr in opened:
+        _quiet(rt.ipcCloseMemHandle, ptr)
+    if own:
+        _quiet(rt.free, own)
+
+
+def _quiet(f, *args) -> None:
+    try:
+        f(*args)
+    except Exception:  # noqa: BLE001
+        pass
