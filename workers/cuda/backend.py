@@ -135,7 +135,7 @@ class CudaBackend(Backend):
         self.caches = [None] * num_slots
         self.rope = rope_table(cfg, self.max_seq)
         rc = self.rcfg                    # the shapes this rank computes (all lanes with one rank)
-        self.prefill = Prefill(rc, weights, self.k, prefill_chunk, self.rope, self.comm)
+        self.prefill = Prefill(rc, weights, self.k, prefill_chunk, self.rope, self.comm, self.max_seq)
         L, D, N, V, H, KV, hd = (rc.num_lanes, rc.hidden_size, rc.num_hidden_layers, rc.vocab_size,
                                  rc.num_attention_heads, rc.kv_heads, rc.head_dim)
         f32 = cp.float32

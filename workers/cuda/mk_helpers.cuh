@@ -64,7 +64,7 @@ __device__ float block_sum(float v, float* red) {
 // NR rows of K columns starting at w (row stride K), dotted with xs (shared, K floats); rows >= nvalid
 // are not read. All lanes get the NR sums.
 #ifndef CFG_UB_QKV
-#define CFG_UB_QKV CFG_UBMAX   // loads in flight per lane in the QKV rows (build.qkv_loads: 24 for one rank)
+#define CFG_UB_QKV CFG_UBMAX   // loads in flight per lane in the QKV rows (build.qkv_loads: 24 for one and two ranks)
 #endif
 #ifndef CFG_UB_WO
 #define CFG_UB_WO CFG_UBMAX    // ... in the output projection's rows

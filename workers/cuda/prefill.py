@@ -25,7 +25,7 @@ class Prefill:
     its lanes in lane order (the one-rank arithmetic). A slot of the buffer is written again 2 (delta + 1)
     exchanges later, after every rank has passed the barriers that follow its copies."""
 
-    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None):
+    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None, max_seq: int | None = None):
         import cupy as cp
         self.cfg, self.dw, self.k = cfg, dw, kernels
         self.comm = comm if comm is not None and getattr(comm, "size", 1) > 1 else None
@@ -37,7 +37,12 @@ class Prefill:
         self._bufs = {}
         self.wdt = DT_CODE[dw.dtype]
         self.compute = CUBLAS_COMPUTE_32F_PEDANTIC if dw.dtype == "F32" else CUBLAS_COMPUTE_32F
-        self.shared = None   # the multi-rank exchange buffer, made at the first prompt (collective)
+        self.shared = None   # the multi-rank exchange buffer: made here, at start-up (collective)
+        if self.comm is not None:
+            from kccl.cuda_shared import SharedBuffer
+            self._tcap = min(max_chunk, max_seq or max_chunk)   # the longest chunk; every rank the same
+            self.shared = SharedBuffer(self.comm, (cfg.broadcast_delay + 1) * 2 * cfg.full.num_lanes * self._tcap *
+                                       cfg.hidden_size * 4)
 
     def close(self) -> None:
         if self.shared is not None:
@@ -77,10 +82,6 @@ class Prefill:
         rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
         delta = cfg.broadcast_delay
         st = dw.w.dtype
-        if self.comm is not None and self.shared is None:
-            from kccl.cuda_shared import SharedBuffer
-            self._tcap = min(self.max_chunk, max_seq)   # every rank passes the same max_seq
-            self.shared = SharedBuffer(self.comm, (delta + 1) * 2 * cfg.full.num_lanes * self._tcap * D * 4)
         ids_d = cp.asarray(np.asarray(ids, dtype=np.int32))
         X = self._buf("X", (L, T, D), cp.float32)
         Xn = self._buf("Xn", (L, T, max(D, fl, hdl)), st)
