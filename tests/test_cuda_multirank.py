@@ -279,7 +279,26 @@ def test_slot_sizes_2b(n):
     assert mr.final_floats(cfg, n) == lr * cfg.hidden_size + 4
     win = mr.window_bytes(cfg, n)
     assert 4 * kw["max_floats"] >= 8 * (lr * cfg.hidden_size + 1)      # final rows + cancel as LL words
+    # ... then the best logit, its index and the rank's share of the logits (mk_multirank.cuh FIN_WORDS)
+    assert mr.fin_words(cfg, n) == lr * cfg.hidden_size + 3 + 2 * mr.lm_units(cfg, n)
+    assert 4 * kw["max_floats"] >= 8 * mr.fin_words(cfg, n)
     assert win <= (n * 40 + 1) << 20, win   # per rank: 2 MiB slots x (2 + 3 tags x 6 depth) x N sources
+
+
+@pytest.mark.parametrize("vocab", [512, 32000, 32001, 7])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_lm_rows_split_the_vocabulary(vocab, n):
+    """Every vocabulary row is computed by exactly one rank, in rank order (mk_lm.cuh phase_lm), and a
+    rank's streamed bytes count its share of the LM head only."""
+    from workers.cuda.weights import streamed_bytes
+    cfg = _cfg(num_lanes=8, vocab_size=vocab)
+    rows = [mr.lm_rows(cfg, r, n) for r in range(n)]
+    assert [v for r in rows for v in r] == list(range(vocab))
+    assert all(len(r) <= 2 * mr.lm_units(cfg, n) for r in rows)
+    if 8 % n == 0:   # ranks that divide the lanes: their weight bytes add up to the model's, none twice
+        views = [mr.RankView(cfg, r, n) for r in range(n)]
+        assert [v.lm_rows for v in views] == [len(r) for r in rows]
+        assert sum(streamed_bytes(v, "BF16") for v in views) == streamed_bytes(cfg, "BF16")
 
 
 # ---- nvcc: the multi-rank kernel compiles (N = 2, 4, 8) --------------------------------------------

@@ -129,6 +129,9 @@ class CudaBackend(Backend):
         self.nthreads = int(self.k.defines.get("CFG_NT", 512))
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")
+        if self.nranks > 1 and 8 * self.k.fin_words > 4 * comm.max_floats:
+            raise RuntimeError(f"the kernel's final slot ({self.k.fin_words} LL words) exceeds the communicator's "
+                               f"{comm.max_floats} floats (multirank.fin_words differs from mk_multirank.cuh)")
         self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.num_slots = num_slots
         self.tokens = [[] for _ in range(num_slots)]

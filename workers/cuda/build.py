@@ -150,12 +150,12 @@ class Kernels:
         self.compile_s = seconds
         self.mono = module.get_function("monokernel")
         import cupy as cp
-        info = cp.zeros(8, dtype=cp.int64)
+        info = cp.zeros(9, dtype=cp.int64)
         module.get_function("monokernel_info")((1,), (1,), (info,))
         self.info = [int(x) for x in info.get()]
         self.smem_bytes, self.nctr, self.nch, self.vpow2, self.params_bytes, self.layer_elems = self.info[:6]
         self.nranks = int(defs.get("KOG_NRANKS", 1))
-        self.npost, self.fin_floats = (self.info[6], self.info[7]) if self.nranks > 1 else (0, 0)
+        self.npost, self.fin_floats, self.fin_words = self.info[6:9] if self.nranks > 1 else (0, 0, 0)
         self.mono.max_dynamic_shared_size_bytes = self.smem_bytes
         self.fn = {n: module.get_function(n) for n in
                    ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32")}

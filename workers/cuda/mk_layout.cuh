@@ -30,7 +30,12 @@ constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
 constexpr int NR_WO = (D % CFG_NR_WO == 0) ? CFG_NR_WO : 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
 constexpr int UPL_W13 = FL, U_W13 = L * FL;
 constexpr int NR_W2 = 2, UPL_W2 = D / NR_W2, U_W2 = L * UPL_W2;
+#if KOG_NRANKS > 1
+// the LM head's units split between the ranks: rank r computes units [r * U_LM, (r + 1) * U_LM) of U_LMG
+constexpr int U_LMG = (V + 1) / 2, U_LM = (U_LMG + KOG_NRANKS - 1) / KOG_NRANKS;
+#else
 constexpr int U_LM = (V + 1) / 2;
+#endif
 constexpr long long QKV_SZ = (long long)L * RQKV * D, WO_SZ = (long long)L * D * HDL;
 constexpr long long W13_SZ = (long long)L * FL * 2 * D, W2_SZ = (long long)L * D * FL;
 constexpr long long OFF_QKV = 0, OFF_WO = QKV_SZ, OFF_W13 = OFF_WO + WO_SZ, OFF_W2 = OFF_W13 + W13_SZ;

@@ -106,6 +106,15 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;
   tmark(p, n, 5 * NL, 0);
   brange(U_LM, ua, ub);
+#if KOG_NRANKS > 1
+  const int u0 = (int)kds.rank * U_LM;   // the rank's share of the rows (U_LM units a rank, the last one fewer)
+  ua = min(ua + u0, U_LMG);
+  ub = min(ub + u0, U_LMG);
+  const bool greedy = p.temperature <= 0.0 || p.top_k == 1;
+  const u64 fe = (u64)(p.e0[2] + n);   // the final slot's epoch (mr_final)
+  const unsigned ftag = (unsigned)fe;
+  const long long foff = mr_ll_off(CH_FIN, (int)kds.rank, fe);
+#endif
   const int nbuf = wbuf_fill(sm, p.lm + (long long)ua * UE_LM, ub - ua, UE_LM, true);
   prefetch_l2(p.lm + (long long)(ua + nbuf) * UE_LM, (long long)(ub - ua - nbuf) * UE_LM * sizeof(wt), PF_LM);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
@@ -122,14 +131,15 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   // waiter, and handed to the sampler through its ticket
   if (blockIdx.x == 0 && tid == 32) *CTR(p, C_CANCEL) = (u64)*(volatile const int*)p.cancel;
 #endif
-  if (ua < ub) {
 #if KOG_NRANKS > 1
+  {  // every block reads the final exchange, rows or not: it orders the tokens (mk_multirank.cuh)
     if (WAITER) wait_lanes(p, C_W2, 0, L - 1, (u64)(n * NL + NL) * UPL_W2);
     __syncthreads();
     tmark(p, n, 5 * NL, 1);
     cp_async_wait_all();
     mr_final(p, n, tok, red, y);
 #else
+  if (ua < ub) {
     cp_async_wait_all();
     final_norms(p, tok, red, nullptr, y, n);   // waits for each batch of lanes
 #endif
@@ -148,6 +158,12 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
             p.logits[r0 + r] = acc[r];
             if (p.dbg_logits) p.dbg_logits[(long long)n * V + r0 + r] = acc[r];
             if (acc[r] > best) { best = acc[r]; besti = r0 + r; }
+#if KOG_NRANKS > 1
+            if (!greedy)   // sampling: every rank needs every logit
+              for (int q = 0; q < NRK; ++q)
+                if (q != (int)kds.rank)
+                  kccl_ll_st((u64*)(kds.base[q] + foff) + FW_LOGITS + (r0 + r - 2 * u0), ftag, __float_as_uint(acc[r]));
+#endif
           }
       }
     }
@@ -171,8 +187,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int cancel = 0;
   if (tid == 0) cancel = (int)__ldcg(CTR(p, C_CANCEL));   // its latency under the candidates' reduction
 #endif
-  // ---- the last block to finish the LM head samples the token ----
+  // ---- the last block to finish the LM head samples the token (with several ranks: one a rank, the same) ----
+#if KOG_NRANKS == 1
   const bool greedy = p.temperature <= 0.0 || p.top_k == 1;
+#endif
   const u64 counter = (u64)(p.start_pos + n + 1);
   int next;
   if (greedy) {
@@ -196,12 +214,40 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     if (tid == 0) {
       for (int w = 0; w < NW; ++w)
         if (bv[w] > bb || (bv[w] == bb && bi[w] < bidx)) { bb = bv[w]; bidx = bi[w]; }
+#if KOG_NRANKS > 1
+      // the rank's best to every peer, then theirs: (max logit, lowest index) over all V, as with one rank
+      for (int q = 0; q < NRK; ++q)
+        if (q != (int)kds.rank) {
+          u64* w = (u64*)(kds.base[q] + foff) + FW_CAND;
+          kccl_ll_st(w, ftag, __float_as_uint(bb));
+          kccl_ll_st(w + 1, ftag, (unsigned)bidx);
+        }
+      const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, fe)) + FW_CAND;
+      const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
+      for (int q = 0; q < NRK; ++q)
+        if (q != (int)kds.rank) {
+          const float ov = __uint_as_float(kccl_ll_get(kds, w0 + q * st, ftag, q, CH_FIN));
+          const int oi = (int)kccl_ll_get(kds, w0 + q * st + 1, ftag, q, CH_FIN);
+          if (ov > bb || (ov == bb && oi < bidx)) { bb = ov; bidx = oi; }
+        }
+#endif
       if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
       last = bidx;
     }
     __syncthreads();
     next = last;
   } else {
+#if KOG_NRANKS > 1
+    {  // the other ranks' logits into p.logits (own rows: written by this rank's blocks)
+      const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, fe)) + FW_LOGITS;
+      const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
+      for (int v = tid; v < V; v += NT) {
+        const int q = v / (2 * U_LM);
+        if (q != (int)kds.rank) p.logits[v] = __uint_as_float(kccl_ll_get(kds, w0 + q * st + (v - q * 2 * U_LM), ftag, q, CH_FIN));
+      }
+      __syncthreads();
+    }
+#endif
     next = sample_full(p, sm, counter);
   }
 #if KOG_NRANKS > 1

@@ -21,7 +21,10 @@ static_assert(MR_DEPTH >= 2 * DELTA + 2, "multi-rank: LL slots need a ring of 2 
 __shared__ KcclDev kds;          // this rank's KcclDev, copied at launch
 __shared__ int mr_flag_s, mr_cancel_s, mr_n_s;
 enum { CH_FIN = 3 };
-constexpr int FIN_FLOATS = L * D + 4;   // final payload: the rank's L normed rows, then its cancel word
+constexpr int FIN_FLOATS = L * D + 4;   // p.yfin: the rank's L normed rows, then its cancel word
+// LL words of a rank's final slot: the rows and the cancel word (mr_final), the rank's best logit and its
+// index (greedy), then the logits of the rank's LM rows (sampling: every rank samples from all V)
+constexpr int FW_CAND = L * D + 1, FW_LOGITS = L * D + 3, FIN_WORDS = FW_LOGITS + 2 * U_LM;
 // layers whose partials are posted: read by the early all-reduce and/or DELTA layers later
 __host__ __device__ constexpr bool mr_posted(int i) {
   return USE_COMM && ((i < DELTA && USE_EARLY) || (i + DELTA < NL && (i >= DELTA || EARLY_FUTURE)));
@@ -42,7 +45,6 @@ __host__ __device__ constexpr int nposters(int U) {
   for (int b = 0; b < NB; ++b) c += ((long long)(b + 1) * U / NB > (long long)b * U / NB) ? 1 : 0;
   return c;
 }
-static_assert(U_LM >= NB, "multi-rank: every block must own LM rows (it reads the final exchange)");
 static_assert(NL > DELTA || !USE_COMM || !USE_EARLY, "multi-rank: the last layer may not be an early all-reduce");
 __device__ __forceinline__ u64 mr_epoch(const Params& p, int kind, int n, int i) {
   return (u64)(p.e0[kind] + (long long)n * NPOST + mr_index(i));

@@ -330,5 +330,6 @@ extern "C" __global__ void monokernel_info(long long* out) {
 #if KOG_NRANKS > 1
   out[6] = NPOST;
   out[7] = FIN_FLOATS;
+  out[8] = FIN_WORDS;
 #endif
 }

@@ -32,6 +32,7 @@ class RankView:
         self.heads_per_lane = cfg.heads_per_lane
         self.kv_heads_per_lane = cfg.kv_heads_per_lane
         self.ffn_per_lane = cfg.ffn_per_lane
+        self.lm_rows = len(lm_rows(cfg, rank, nranks))     # the LM head rows this rank computes
 
     def __getattr__(self, name):          # everything not lane-dependent: the model's
         return getattr(self.full, name)
@@ -125,10 +126,28 @@ def final_floats(cfg, nranks: int) -> int:
     return (cfg.num_lanes // nranks) * cfg.hidden_size + 4
 
 
+def lm_units(cfg, nranks: int) -> int:
+    """LM head units (2 rows each) of a rank: the vocabulary's units split evenly, the last rank fewer
+    (mk_layout.cuh U_LM)."""
+    return -(-((cfg.vocab_size + 1) // 2) // nranks)
+
+
+def lm_rows(cfg, rank: int, nranks: int) -> range:
+    """The LM head rows (vocabulary ids) rank computes (mk_lm.cuh phase_lm)."""
+    u = lm_units(cfg, nranks)
+    return range(min(cfg.vocab_size, 2 * u * rank), min(cfg.vocab_size, 2 * u * (rank + 1)))
+
+
+def fin_words(cfg, nranks: int) -> int:
+    """LL words of a rank's final slot (mk_multirank.cuh FIN_WORDS): the normed rows [L/N][D], the cancel
+    word, the rank's best logit and its index, then the logits of its LM rows (sampling)."""
+    return (cfg.num_lanes // nranks) * cfg.hidden_size + 3 + 2 * lm_units(cfg, nranks)
+
+
 def ll_floats(cfg, nranks: int) -> int:
     """The biggest LL post, 8 bytes (2 floats of slot) a word: a layer's partials [L/N][D], or the final
-    rows [L/N][D] and the cancel word."""
-    return 2 * ((cfg.num_lanes // nranks) * cfg.hidden_size + 1)
+    slot (fin_words)."""
+    return 2 * max((cfg.num_lanes // nranks) * cfg.hidden_size, fin_words(cfg, nranks))
 
 
 def max_floats(cfg, nranks: int) -> int:

@@ -24,9 +24,10 @@ def layer_elems(cfg) -> int:
 
 
 def streamed_bytes(cfg, dtype: str) -> int:
-    """Weight bytes read per decoded token: every layer and the LM head (not the embedding table)."""
+    """Weight bytes read per decoded token: every layer and the LM head (not the embedding table). A rank's
+    view (multirank.RankView): its lanes and its share of the LM head rows."""
     isz = 4 if dtype == "F32" else 2
-    return (layer_elems(cfg) * cfg.num_hidden_layers + cfg.vocab_size * cfg.hidden_size) * isz
+    return (layer_elems(cfg) * cfg.num_hidden_layers + getattr(cfg, "lm_rows", cfg.vocab_size) * cfg.hidden_size) * isz
 
 
 def _to_storage(arr: np.ndarray, dt: str, target: str) -> np.ndarray:
