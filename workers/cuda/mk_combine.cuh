@@ -142,11 +142,15 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
   }
   const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, e));   // rank q's: q * st further
   const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
-  for (int d = threadIdx.x; d < D; d += NT) {
-    float a = __uint_as_float(kccl_ll_get(kds, w0 + d, tag, 0, CH_FIN));
-    for (int j = 1; j < LG; ++j)
-      a += __uint_as_float(kccl_ll_get(kds, w0 + (j / L) * st + (j % L) * D + d, tag, j / L, CH_FIN));
-    y[xp(d, D)] = a / (float)LG;
+  const MrPart m{nullptr, (const char*)w0, st * 8, tag, CH_FIN};   // every rank's rows, own included
+  for (int d0 = threadIdx.x; d0 < D; d0 += CFG_MRE * NT) {   // CFG_MRE elements' LG words in flight at once
+    MrRows<CFG_MRE> R;
+#pragma unroll
+    for (int k = 0; k < CFG_MRE; ++k) R.r[k] = d0 + k * NT < D ? d0 + k * NT : 0;
+    const MrSums<CFG_MRE> a = mr_lane_sums<CFG_MRE>(m, R, 0);
+#pragma unroll
+    for (int k = 0; k < CFG_MRE; ++k)
+      if (d0 + k * NT < D) y[xp(d0 + k * NT, D)] = a.t[k] / (float)LG;
   }
   if (threadIdx.x == 0) {
     int c = 0;

@@ -105,25 +105,99 @@ __device__ __forceinline__ MrPart mr_part(const Params& p, int kind, int n, int 
   return MrPart{p.part + (long long)(i * 2 + kind) * L * D, kds.base[kds.rank] + mr_ll_off(1 + kind, 0, e),
                 (long long)MR_DEPTH * kds.slot_bytes, (unsigned)e, 1 + kind};
 }
-// sum over all LG lanes (lane order) of element r; own: lane g's value. Inlined: as a call its caller-saved
-// registers spilled around every call site (two GPUs: 926-937 tokens/s noinline, 951-956 inlined)
+#ifndef CFG_MRE
+#define CFG_MRE 1
+#endif
+// Readers issue every word's first load before they check any, so a sum of LG lanes costs one round trip,
+// not one per peer lane. If a word is not there yet, the sums are redone by a call that re-polls all the
+// missing words together; nothing is live across it, so its loop's registers stay off the common path.
+template <int E> struct MrRows { int r[E]; };
+template <int E> struct MrSums { float t[E], o[E]; };   // sums over the lanes; lane g's values
+__device__ __forceinline__ const u64* mr_word(const MrPart& m, int j, int r) {
+  return (const u64*)(m.ll + (j / L) * m.stride) + (j % L) * D + r;
+}
+__device__ __forceinline__ bool mr_own(const MrPart& m, int j) { return m.own && j / L == (int)kds.rank; }
+template <int E>
+__device__ __forceinline__ MrSums<E> mr_sums_of(const float (&P)[E][LG], int g) {
+  MrSums<E> s;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    float t = P[e][0], o = P[e][0];
+#pragma unroll
+    for (int j = 1; j < LG; ++j) {
+      t += P[e][j];
+      if (j == g) o = P[e][j];
+    }
+    s.t[e] = t;
+    s.o[e] = o;
+  }
+  return s;
+}
+template <int E>
+__device__ __forceinline__ MrSums<E> mr_lane_sums_polled(MrPart m, MrRows<E> R, int g) {
+  float P[E][LG];
+  u64 W[E][LG];
+  const u64 t0 = kccl_gtimer();
+  for (unsigned it = 1;; ++it) {
+    bool ready = true;
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+#pragma unroll
+      for (int j = 0; j < LG; ++j)
+        if (!mr_own(m, j)) W[e][j] = kccl_ll_ld(mr_word(m, j, R.r[e]));
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+#pragma unroll
+      for (int j = 0; j < LG; ++j)
+        if (!mr_own(m, j)) ready &= (unsigned)(W[e][j] >> 32) == m.tag;
+    if (ready || kccl_failed(kds)) break;
+    if ((it & 1023u) == 0) {   // bounded like kccl_ll_get: the first missing word names the peer
+      int q = 0;
+      u64 seen = 0;
+#pragma unroll
+      for (int j = LG - 1; j >= 0; --j)
+        if (!mr_own(m, j) && (unsigned)(W[0][j] >> 32) != m.tag) { q = j / L; seen = W[0][j] >> 32; }
+      if (kds.abort && *(volatile const int*)kds.abort) { kccl_fail(kds, KCCL_ERR_ABORTED, q, m.c, m.tag, seen); break; }
+      if (kccl_gtimer() - t0 > (u64)kds.timeout_ns) { kccl_fail(kds, KCCL_ERR_TIMEOUT_FLAG, q, m.c, m.tag, seen); break; }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+#pragma unroll
+    for (int j = 0; j < LG; ++j)
+      P[e][j] = mr_own(m, j) ? ldf(m.own + (j % L) * D + R.r[e]) : __uint_as_float((unsigned)W[e][j]);
+  return mr_sums_of<E>(P, g);
+}
+// sums over all LG lanes (lane order) of the elements R.r[0..E), all E * LG loads in flight at once. m.own
+// null: every lane from the LL words (the final rows). Inlined (a call spilled its caller-saved registers
+// at every call site: two GPUs 926-937 tokens/s as a call, 951-956 inlined)
+template <int E>
+__device__ __forceinline__ MrSums<E> mr_lane_sums(const MrPart& m, const MrRows<E>& R, int g) {
+  float P[E][LG];
+  u64 W[E][LG];
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+#pragma unroll
+    for (int j = 0; j < LG; ++j) {
+      if (mr_own(m, j)) P[e][j] = ldf(m.own + (j % L) * D + R.r[e]);
+      else W[e][j] = kccl_ll_ld(mr_word(m, j, R.r[e]));
+    }
+  bool ready = true;
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+#pragma unroll
+    for (int j = 0; j < LG; ++j)
+      if (!mr_own(m, j)) {
+        ready &= (unsigned)(W[e][j] >> 32) == m.tag;
+        P[e][j] = __uint_as_float((unsigned)W[e][j]);
+      }
+  if (ready) return mr_sums_of<E>(P, g);
+  return mr_lane_sums_polled<E>(m, R, g);
+}
 __device__ __forceinline__ float mr_lane_sum(const MrPart& m, int r, int g, float* own) {
-  float P[LG];
-  const int me = (int)kds.rank;
-#pragma unroll
-  for (int j = 0; j < LG; ++j) {
-    const int q = j / L;
-    P[j] = q == me ? ldf(m.own + (j % L) * D + r)
-                   : __uint_as_float(kccl_ll_get(kds, (const u64*)(m.ll + q * m.stride) + (j % L) * D + r, m.tag, q, m.c));
-  }
-  float tot = P[0], o = P[0];
-#pragma unroll
-  for (int j = 1; j < LG; ++j) {
-    tot += P[j];
-    if (j == g) o = P[j];
-  }
-  if (own) *own = o;
-  return tot;
+  const MrSums<1> s = mr_lane_sums<1>(m, MrRows<1>{{r}}, g);
+  if (own) *own = s.o[0];
+  return s.t[0];
 }
 #else
 struct MrPost {};   // one rank: nothing is posted

@@ -139,6 +139,32 @@ __device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, in
       for (int k = 0; k < 2; ++k) v[k][e] = k < nl ? b[e][k] + tot : 0.f;
     }
   } else {
+#if KOG_NRANKS > 1
+    if (!fused_step(s)) {
+      constexpr int MRE = CFG_MRE;
+      // the early layers: both lanes add the same sum of all LG lanes' partials (hval's arithmetic, once an
+      // element), two elements' loads in flight at once
+      const int i = (s - 1) / 2, kind = (s - 1) & 1;
+      const MrPart m = mr_part(p, kind, mr_n_s, i);
+#pragma unroll
+      for (int e = 0; e < DPT; e += MRE) {
+        MrRows<MRE> R;
+#pragma unroll
+        for (int x = 0; x < MRE; ++x) {
+          const int d = threadIdx.x + (e + x) * NT;
+          R.r[x] = e + x < DPT && d < D ? d : 0;
+        }
+        const MrSums<MRE> tot = mr_lane_sums<MRE>(m, R, 0);
+#pragma unroll
+        for (int x = 0; x < MRE; ++x)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int d = threadIdx.x + (e + x) * NT;
+            if (e + x < DPT) v[k][e + x] = (k < nl && d < D) ? hbase(p, s - 1, l0 + k, d, tok) + tot.t[x] : 0.f;
+          }
+      }
+    } else
+#endif
 #pragma unroll
     for (int k = 0; k < 2; ++k)
 #pragma unroll
