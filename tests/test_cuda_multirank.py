@@ -377,7 +377,8 @@ r1 = b.run(RunCommand(append=prompt, max_new_tokens=gen), ignore_eos=True)
 r2 = b.run(RunCommand(slot=0, keep=r1.cached, append=[5, 6, 7], max_new_tokens=16), ignore_eos=True)
 r3 = b.run(RunCommand(slot=1, append=prompt[:5], max_new_tokens=32,
                       sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=7)), ignore_eos=True)
-print("IDS", world.rank, json.dumps([r1.token_ids, r2.token_ids, r3.token_ids]), flush=True)
+with open(os.path.join(sys.argv[4], f"ids_{world.rank}.json"), "w") as f:   # not stdout: mpirun interleaves long lines
+    json.dump([r1.token_ids, r2.token_ids, r3.token_ids], f)
 print("MS", world.rank, round(b.last_kernel_ms, 2), flush=True)
 b.close()
 comm.shutdown()
@@ -498,21 +499,19 @@ def one_rank_ids(tiny_l8):
 @pytest.mark.gpu
 @pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n):
+def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n, tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from mpi_helpers import have_mpiexec, run_mpi
     if not have_mpiexec():
         pytest.skip("no mpiexec")
     want = one_rank_ids
-    res = run_mpi(n, code=RANK_RUN, args=(tiny_l8, GEN, json.dumps(PROMPT)), timeout=75)
+    res = run_mpi(n, code=RANK_RUN, args=(tiny_l8, GEN, json.dumps(PROMPT), str(tmp_path)), timeout=75)
     print(res.stdout[-3000:])
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
-    got = {int(line.split()[1]): json.loads(line.split(None, 2)[2])
-           for line in res.stdout.splitlines() if line.startswith("IDS ")}
-    # mpirun forwards every rank's stdout into one stream: say which rank's line is missing or mangled
-    odd = [line[:160] for line in res.stdout.splitlines() if "IDS" in line and not line.startswith("IDS ")]
-    assert sorted(got) == list(range(n)), f"no IDS line from ranks {sorted(set(range(n)) - set(got))}; " \
-        f"lines with IDS inside: {odd}; stderr: {res.stderr[-1500:]}"
+    got = {r: json.loads((tmp_path / f"ids_{r}.json").read_text())
+           for r in range(n) if (tmp_path / f"ids_{r}.json").exists()}
+    assert sorted(got) == list(range(n)), f"no ids from ranks {sorted(set(range(n)) - set(got))}; " \
+        f"stderr: {res.stderr[-1500:]}"
     for r, ids in got.items():
         for k, (a, b) in enumerate(zip(ids, want)):
             if a != b:
