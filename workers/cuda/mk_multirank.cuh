@@ -1,7 +1,7 @@
 // mk_multirank.cuh: part of monokernel.cu (pasted in place after mk_layout.cuh; not a standalone
 // header). The exchanges between ranks, all under `#if KOG_NRANKS > 1`: epochs, the spin that watches
-// the abort word, LL words of the partials (mr_put, mr_part, mr_lane_sum). The final rows' exchange
-// (mr_final) needs the norms, so it is in mk_combine.cuh.
+// the abort word, LL words of the partials (mr_put, mr_part) and their reads (mr_lane_sums). The final rows'
+// exchange (mr_final) needs the norms, so it is in mk_combine.cuh; the LM head's, in mk_lm.cuh.
 #pragma once
 
 #if KOG_NRANKS > 1
