@@ -205,7 +205,8 @@ class CudaBackend(Backend):
     def run(self, cmd: RunCommand, on_token=None, *, ignore_eos: bool = False, dbg_logits=None,
             timing_token: int | None = None) -> RunResult:
         """Backend.run; ignore_eos (benchmarks), dbg_logits (a [max_new, V] float32 device array that
-        receives every step's logits) and timing_token (record per-phase clock marks of that decode step
+        receives every step's logits; with several ranks only the rows of the rank's LM head share,
+        multirank.lm_rows) and timing_token (record per-phase clock marks of that decode step
         into self.last_timing, [5N+2, blocks, 5] ns: mk_layout.cuh tmark) are for tests and benchmarks."""
         self._timing_token = timing_token
         cp, cfg = self.cp, self.cfg
