@@ -124,6 +124,8 @@ def main(argv=None) -> int:
         return 2
     if not under_mpi():
         return relaunch(args, argv)
+    from .mpi_plain import forbid_pickle
+    forbid_pickle()
     if args.transport == "cuda_ipc":  # device buffers, host calls and a persistent kernel, NCCL beside
         from .cuda_ipc import bench_main
         return bench_main(args)

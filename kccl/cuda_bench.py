@@ -9,9 +9,12 @@ kccl.cuda_ipc re-exports bench_main.
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
+
+from .mpi_plain import allgather_json, bcast_str
 
 
 def _pct(samples_ns) -> dict:
@@ -103,7 +106,8 @@ def bench_main(args) -> int:
             try:
                 from cupy.cuda import nccl
 
-                uid = world.bcast(nccl.get_unique_id() if comm.rank == 0 else None, root=0)
+                uid = tuple(json.loads(bcast_str(world, json.dumps(list(nccl.get_unique_id()))
+                                                 if comm.rank == 0 else None)))
                 nc = nccl.NcclCommunicator(comm.size, uid, comm.rank)
                 s = cp.cuda.Stream(non_blocking=True)
                 lat = []
@@ -119,11 +123,10 @@ def bench_main(args) -> int:
         comm.barrier()
     rows = {}
     for k, v in samples.items():
-        local = np.asarray(v, dtype=np.int64)
-        allv = world.gather(local, root=0)  # host ints, after the timed loops
+        allv = allgather_json(world, [int(x) for x in v])  # host ints, after the timed loops
         if world.rank == 0:
-            rows[k] = _pct(np.concatenate(allv))
-    spans_all = world.gather(spans, root=0)
+            rows[k] = _pct(np.concatenate([np.asarray(a, dtype=np.int64) for a in allv]))
+    spans_all = allgather_json(world, spans)
     if world.rank != 0:
         return 0
     mean_span = {k: round(float(np.mean([s[k] for s in spans_all])) / 1e3, 2) for k in spans}

@@ -1,8 +1,8 @@
 """How ranks find each other for the bootstrap: over MPI (normal), or over files (no launcher).
 
 The bootstrap needs only: this rank and the group size, one string from rank 0, an "everyone ok?"
-vote, a barrier, and the number of ranks on this host. `MpiRendezvous` does that with mpi4py (the
-string through lowercase bcast, the rest through uppercase calls on numpy buffers). `FileRendezvous`
+vote, a barrier, and the number of ranks on this host. `MpiRendezvous` does that with mpi4py's
+uppercase calls on numpy buffers (mpi_plain.py: no pickle). `FileRendezvous`
 does it with files in a shared folder, for ranks started without mpiexec (plain subprocesses: tests
 that must keep survivors alive after a peer is SIGKILLed, which MPICH's hydra would not do).
 """
@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from .errors import KcclError
+from .mpi_plain import allreduce_int, bcast_str
 
 
 class MpiRendezvous:
@@ -23,14 +24,12 @@ class MpiRendezvous:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def share_str(self, text: str | None) -> str:
-        return self.comm.bcast(text, root=0)  # bootstrap only: one short string
+        return bcast_str(self.comm, text)
 
     def agree(self, ok: bool) -> bool:
         from mpi4py import MPI
 
-        result = np.zeros(1, dtype=np.int64)
-        self.comm.Allreduce(np.array([int(ok)], dtype=np.int64), result, op=MPI.MIN)
-        return bool(result[0])
+        return bool(allreduce_int(self.comm, int(ok), MPI.MIN))
 
     def barrier(self) -> None:
         self.comm.Barrier()

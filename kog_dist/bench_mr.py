@@ -37,6 +37,7 @@ def run_rank(args, say, emit) -> int:
     from mpi4py import MPI
 
     from kccl import Communicator
+    from kccl.mpi_plain import allgather_json, forbid_pickle
     from kog_dist.bench import (STORAGE, _commit, cupy_copy_bandwidth, device_name, finish_rows, measure,
                                 shape_config)
     from kog_dist.config import load_config
@@ -45,6 +46,7 @@ def run_rank(args, say, emit) -> int:
     from workers.cuda.build import build
     from workers.cuda.weights import random_weights, streamed_bytes
 
+    forbid_pickle()
     w = MPI.COMM_WORLD
     rank, n = w.rank, w.size
     if n != args.nranks:
@@ -83,7 +85,7 @@ def run_rank(args, say, emit) -> int:
         if q == rank and first_of_gpu:
             bw = cupy_copy_bandwidth()
         w.Barrier()
-    bws = [b for b in w.allgather(bw) if b > 0]
+    bws = [b for b in allgather_json(w, bw) if b > 0]
     mk = measure(backend, args, log)
     per_gpu = streamed_bytes(backend.rcfg, backend.dw.dtype) * on_dev
     mk["streamed_bytes_per_token"] = per_gpu
@@ -91,7 +93,7 @@ def run_rank(args, say, emit) -> int:
         if key in mk:
             mk[key]["GB_per_s"] = mk[key]["tokens_per_s"] * per_gpu / 1e9
     finish_rows(mk, min(bws))
-    same = w.allgather(mk["tg"]["ids_head"])
+    same = allgather_json(w, mk["tg"]["ids_head"])
     backend.close()
     comm.shutdown()
     if rank != 0:

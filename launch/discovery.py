@@ -17,6 +17,8 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -88,7 +90,9 @@ def _layout(comm):
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
         local_rank, local_size = node.Get_rank(), node.Get_size()
-        leader = node.bcast(rank, root=0)
+        lead = np.array([rank], dtype=np.int64)   # numpy buffers: mpi4py's lowercase calls pickle
+        node.Bcast(lead, root=0)
+        leader = int(lead[0])
     finally:
         node.Free()
     try:
@@ -116,7 +120,19 @@ def hosts_of(comm=None) -> list[str]:
     if MPI is None or not MPI.Is_initialized():
         return [socket.gethostname()]
     comm = MPI.COMM_WORLD if comm is None else comm
-    return comm.allgather(MPI.Get_processor_name())
+    return _allgather_names(comm, MPI.Get_processor_name())
+
+
+def _allgather_names(comm, name: str) -> list[str]:
+    """Every rank's host name (at most MPI_MAX_PROCESSOR_NAME bytes), in rank order."""
+    MPI = _mpi()
+    width = max(MPI.MAX_PROCESSOR_NAME, 1)
+    send = np.zeros(width, dtype=np.uint8)
+    raw = name.encode()[:width]
+    send[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    recv = np.empty(comm.Get_size() * width, dtype=np.uint8)
+    comm.Allgather(send, recv)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in recv.reshape(-1, width)]
 
 
 def require_single_node(comm=None) -> RankInfo:
@@ -136,7 +152,9 @@ def require_single_node(comm=None) -> RankInfo:
     # One node holds everyone <=> every rank's node holds everyone, so all ranks branch alike.
     if info.local_size == info.size:
         return info
-    leaders = comm.allgather((leader, info.hostname))
+    lead = np.empty(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([leader], dtype=np.int64), lead)
+    leaders = list(zip(lead.tolist(), _allgather_names(comm, info.hostname)))
     nodes: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for r, (ld, host) in enumerate(leaders):

@@ -7,6 +7,7 @@ profile: also the per-phase clock marks of decode step 200 on every rank (where 
 """
 import sys, cupy as cp
 from mpi4py import MPI
+from kccl.mpi_plain import allgather_json
 w = MPI.COMM_WORLD
 n = w.size
 cp.cuda.Device(w.rank % cp.cuda.runtime.getDeviceCount()).use()
@@ -39,9 +40,10 @@ if "profile" in sys.argv[2:]:
     from workers.cuda.bench_kernel import format_breakdown, phase_breakdown
     b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=min(gen, 256)), ignore_eos=True, timing_token=200)
     text = format_breakdown(phase_breakdown(b.last_timing, cfg.num_hidden_layers))
-    for q, t in enumerate(w.gather(text, root=0) or []):
+    texts = allgather_json(w, text)
+    for q, t in enumerate(texts if w.rank == 0 else []):
         print(f"PROFILE N={n} rank {q} (decode step 200):\n{t}", flush=True)
-ids = w.gather(r.token_ids[:64], root=0)
+ids = allgather_json(w, r.token_ids[:64])
 if w.rank == 0:
     same = all(x == ids[0] for x in ids)
     print(f"BENCH N={n} blocks/rank={nb} tokens={gen} tokens/s best={max(rates):.1f} all={[round(x, 1) for x in rates]} "

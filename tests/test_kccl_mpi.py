@@ -27,6 +27,7 @@ import sys, time
 import numpy as np
 from mpi4py import MPI
 from kccl import Communicator, KcclError
+from kccl.mpi_plain import allgather_json
 
 D = 3072
 comm = Communicator.create(MPI.COMM_WORLD, max_floats=8 * D, depth=4, tags=("attn", "mlp"))
@@ -67,7 +68,7 @@ for k in range(3):
     t_in = time.monotonic()
     comm.barrier()
     t_out = time.monotonic()
-    ins = MPI.COMM_WORLD.allgather(t_in)
+    ins = allgather_json(MPI.COMM_WORLD, t_in)
     assert t_out >= max(ins), ("barrier", t_out, ins)
 
 # post/collect: delta = 0..3, two tags interleaved, prefill [T, D] then decode [D]
@@ -148,3 +149,43 @@ def test_bench_refuses_cuda_ipc_with_exit_2():
     res = subprocess.run([sys.executable, "-m", "kccl.bench", "--transport", "cuda_ipc", "-n", "2"],
                          capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO_ROOT)
     assert res.returncode == 2 and "needs CuPy and a CUDA GPU" in res.stderr
+
+
+PLAIN = r'''
+from mpi4py import MPI
+from kccl.mpi_plain import allgather_bytes, allgather_json, allreduce_int, bcast_str, forbid_pickle
+from kccl.rendezvous import MpiRendezvous
+from launch.discovery import hosts_of, require_single_node
+forbid_pickle()
+w = MPI.COMM_WORLD
+r, n = w.Get_rank(), w.Get_size()
+try:
+    w.allgather("x")   # every rank pickles its part first, so every rank raises (a bcast would hang the others)
+    raise SystemExit("a pickling collective went through")
+except RuntimeError as e:
+    assert "pickling" in str(e), e
+for root in range(n):
+    for text in ("", "/tmp/model", "lanes ü ∑ " * 40):
+        assert bcast_str(w, text if r == root else None, root=root) == text
+got = allgather_bytes(w, bytes([r]) * (3 * r))          # rank 0 sends nothing
+assert got == [bytes([q]) * (3 * q) for q in range(n)], got
+assert allgather_json(w, {"rank": r, "ids": list(range(r)), "bw": r / 3}) == \
+    [{"rank": q, "ids": list(range(q)), "bw": q / 3} for q in range(n)]
+assert allreduce_int(w, r + 1, MPI.MIN) == 1 and allreduce_int(w, r + 1, MPI.MAX) == n
+assert allreduce_int(w, 2**40 + r, MPI.SUM) == n * 2**40 + n * (n - 1) // 2
+info = require_single_node(w)
+assert (info.rank, info.size) == (r, n) and hosts_of(w) == [info.hostname] * n
+rdv = MpiRendezvous(w)
+assert rdv.share_str("hello" if r == 0 else None) == "hello" and rdv.agree(True) and not rdv.agree(r != n - 1)
+print(f"OK {r}")
+'''
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_bootstrap_collectives_never_pickle(n):
+    """kccl.mpi_plain (strings as bytes, numbers as int64, small structures as JSON) and the bootstrap
+    built on it (launch.discovery, MpiRendezvous) work with mpi4py's pickling switched off, which also
+    makes any lowercase collective raise (forbid_pickle, called by every entry point)."""
+    res = run_mpi(n, code=PLAIN, timeout=60)
+    assert res.returncode == 0, res.output
+    assert res.marks("OK") == list(range(n)), res.output
