@@ -72,19 +72,21 @@ def _leave(rc: int) -> None:
 def run(a) -> int:
     from mpi4py import MPI
 
+    from kccl.mpi_plain import allreduce_int, forbid_pickle
     from kog_dist.config import load_config
     from kog_dist.tiny import default_model_dir
     from launch.discovery import require_single_node
 
+    forbid_pickle()
     world = MPI.COMM_WORLD
     info = require_single_node(world)
     rank, size = info.rank, info.size
     _unlink_mpi_segments(world, info.local_rank)
-    model = a.model or default_model_dir() if rank == 0 else None
-    model = a.model or world.bcast(model, root=0)   # bootstrap only: a path string
+    model = a.model or _from_rank0(world, default_model_dir)   # the built-in model, made once
     cfg = load_config(model)
     lanes = cfg.lanes_of_rank(rank, size)            # refuses N not dividing num_lanes, before any weight
-    if rank == 0 and not a.oneshot:                  # and so does an endpoint rank 0 may not bind
+    if not a.oneshot:   # and so does an endpoint rank 0 may not bind: on every rank (same arguments, same
+        # node), so that every rank leaves with the error and none is left waiting in the next collective
         from kog_dist.coordinator import CurveKeys, check_endpoint
         keys = CurveKeys(a.curve_server_key, a.curve_clients) if a.curve_server_key else None
         check_endpoint(a.control, a.allow_remote, keys)
@@ -95,7 +97,7 @@ def run(a) -> int:
     from .rank import KcclExchange, RankGroup, follow, make_agree
     here = a.backend != "cpu" and cuda_available()
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
-    everywhere = bool(world.allreduce(int(here), op=MPI.MIN)) if size > 1 else here
+    everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
     kind, note = choose(a.backend, size, here, everywhere, cfg)
     if note and rank == 0:
         log(note)
@@ -135,6 +137,22 @@ def run(a) -> int:
         if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
             gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
         comm.close()
+
+
+def _from_rank0(world, make) -> str:
+    """Rank 0's `make()` (a string) on every rank; if it fails there, every rank raises its message, so
+    none is left waiting for rank 0 in a later collective."""
+    from kccl.mpi_plain import bcast_str
+    text = ""
+    if world.Get_rank() == 0:
+        try:
+            text = "ok " + make()
+        except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
+            text = "error " + (str(e).splitlines()[0] if str(e) else type(e).__name__)
+    text = bcast_str(world, text) if world.Get_size() > 1 else text
+    if text.startswith("error "):
+        raise RuntimeError(text[6:])
+    return text[3:]
 
 
 def _mps_running() -> bool:
