@@ -2,7 +2,7 @@
 exchanging partials through kccl's cuda_ipc windows) under the MPI launcher that is present, rank r on GPU
 r % (GPUs), several ranks on one GPU only under MPS. Every rank runs the same rows as `kog bench`; rank 0
 prints the table. GB/s and "of copy BW" are per GPU: the bytes each GPU streams per token (its ranks'
-layer shards and the replicated LM head) over the copy bandwidth of that GPU, measured alone in the same
+layer shards and their shares of the LM head's rows) over the copy bandwidth of that GPU, measured alone in the same
 run. The PyTorch baselines are one-GPU programs: `kog bench` without --np runs them.
 """
 from __future__ import annotations

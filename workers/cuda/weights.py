@@ -76,7 +76,8 @@ class DeviceWeights:
 
 def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress=None, view=None) -> DeviceWeights:
     """Read a checkpoint and upload it in the streaming layout: all lanes, or with `view` (a
-    multirank.RankView of this config) the rank's lanes only (embedding and LM head replicated)."""
+    multirank.RankView of this config) the rank's lanes only (the embedding and the whole LM head are
+    uploaded on every rank; each computes only its share of the head's rows, multirank.lm_rows)."""
     import cupy as cp
     from kog_dist.checkpoint import CheckpointReader
     from kog_dist.progress import Progress
