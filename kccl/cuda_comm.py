@@ -23,7 +23,8 @@ import numpy as np
 
 from .cuda_layout import (COLL, COLL_DEPTH, M_ACK, M_COPY, M_POST, M_SUM, M_WAIT, MAGIC, OP_ALLREDUCE,
                           OP_BARRIER, OP_BROADCAST, OP_POST, RECORD_BYTES, STATUS_WORDS, THREADS,
-                          CudaLayout, _module, allgather_bytes, check_records, pack_record, unpack_record)
+                          CudaLayout, _module, agree_or_raise, allgather_bytes, check_records, pack_record,
+                          unpack_record)
 from .cuda_shared import release_ipc
 from .errors import KcclError, unknown_tag
 from .shm import process_starttime, register, unregister
@@ -138,10 +139,7 @@ class CudaCore:
         except Exception:
             self._free()
             raise
-        if not rdv.agree(error is None):
-            self._free()
-            raise KcclError(f"rank {self.rank}: allocating/exporting the cuda_ipc window failed"
-                            + (f": {error}" if error else " on another rank")) from error
+        agree_or_raise(rdv, self.rank, error, "allocating/exporting the cuda_ipc window", self._free)
         try:
             records = [unpack_record(b) for b in raw]
             check_records(records, lay)
@@ -160,10 +158,7 @@ class CudaCore:
                 bases.append(ptr)
         except Exception as exc:  # noqa: BLE001
             error = exc
-        if not rdv.agree(error is None):
-            self._free()
-            raise KcclError(f"rank {self.rank}: opening peer windows failed"
-                            + (f": {error}" if error else " on another rank")) from error
+        agree_or_raise(rdv, self.rank, error, "opening peer windows", self._free)
         self.peers = [(rec["pid"], rec["starttime"]) for rec in records]
         self.bus_ids = [rec["bus_id"] for rec in records]
         self.bases = bases

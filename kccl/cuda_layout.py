@@ -177,6 +177,14 @@ def allgather_bytes(rdv, data: bytes) -> list[bytes]:
     return [bytes.fromhex(t) for t in rdv._all(bytes(data).hex())]  # FileRendezvous
 
 
+def agree_or_raise(rdv, rank: int, error: Exception | None, what: str, cleanup) -> None:
+    """Collective: every rank learns whether `what` worked on all of them; if not, every rank runs
+    `cleanup` and raises KcclError with its own error (or "on another rank")."""
+    if not rdv.agree(error is None):
+        cleanup()
+        raise KcclError(f"rank {rank}: {what} failed" + (f": {error}" if error else " on another rank")) from error
+
+
 def check_records(records: list[dict], lay: CudaLayout) -> None:
     for r, rec in enumerate(records):
         if rec["rank"] != r:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cuda_layout import allgather_bytes
+from .cuda_layout import agree_or_raise, allgather_bytes
 from .errors import KcclError
 
 _HANDLE_BYTES = 64   # cudaIpcMemHandle_t
@@ -38,10 +38,7 @@ class SharedBuffer:
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error, rec = exc, bytes(_HANDLE_BYTES + 8)
         raw = allgather_bytes(rdv, rec)
-        if not rdv.agree(error is None):
-            self.close()
-            raise KcclError(f"rank {self.rank}: allocating a shared buffer of {self.nbytes} bytes failed"
-                            + (f": {error}" if error else " on another rank")) from error
+        agree_or_raise(rdv, self.rank, error, f"allocating a shared buffer of {self.nbytes} bytes", self.close)
         self.ptrs = []
         try:
             for r, b in enumerate(raw):
@@ -56,10 +53,7 @@ class SharedBuffer:
                 self.ptrs.append(ptr)
         except Exception as exc:  # noqa: BLE001
             error = exc
-        if not rdv.agree(error is None):
-            self.close()
-            raise KcclError(f"rank {self.rank}: opening the peers' shared buffers failed"
-                            + (f": {error}" if error else " on another rank")) from error
+        agree_or_raise(rdv, self.rank, error, "opening the peers' shared buffers", self.close)
 
     def view(self, offset: int, shape, dtype):
         """A CuPy array over this rank's own buffer at byte `offset`."""
