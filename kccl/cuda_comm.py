@@ -125,6 +125,8 @@ class CudaCore:
             rt.memset(self._own, 0, lay.size)
             hdr = lay.header_words(self.rank)
             rt.memcpy(self._own, hdr.ctypes.data, hdr.nbytes, rt.memcpyHostToDevice)
+            # a pageable-to-device copy may return before it lands: the peers read the header next
+            rt.deviceSynchronize()
             self._host = rt.hostAlloc(4096, 1 | 2)  # portable | mapped: status words + abort word
             ctypes.memset(self._host, 0, 4096)
             self._status = (ctypes.c_int * STATUS_WORDS).from_address(self._host)
@@ -153,8 +155,8 @@ class CudaCore:
                 got = np.zeros(8, np.uint64)
                 rt.memcpy(got.ctypes.data, ptr, got.nbytes, rt.memcpyDeviceToHost)
                 if int(got[0]) != MAGIC or int(got[2]) != r or int(got[4]) != lay.layout_hash:
-                    raise KcclError(f"rank {r}'s window does not hold its kccl header after "
-                                    "ipcOpenMemHandle")
+                    raise KcclError(f"rank {r}'s window does not hold its kccl header after ipcOpenMemHandle "
+                                    f"(read magic {int(got[0]):#x}, rank {int(got[2])}, layout {int(got[4]):#x})")
                 bases.append(ptr)
         except Exception as exc:  # noqa: BLE001
             error = exc
