@@ -23,6 +23,16 @@ def _pct(samples_ns) -> dict:
     return {"p50_us": round(float(p50), 2), "p99_us": round(float(p99), 2)}
 
 
+def _share_nccl_id(world, uid):
+    """Rank 0's NCCL unique id on every rank, in the type CuPy gave it (bytes in CuPy 14, a tuple of
+    ints before), without pickle."""
+    msg = None
+    if world.rank == 0:
+        msg = json.dumps({"hex": bytes(uid).hex()} if isinstance(uid, (bytes, bytearray)) else {"ints": list(uid)})
+    d = json.loads(bcast_str(world, msg))
+    return bytes.fromhex(d["hex"]) if "hex" in d else tuple(d["ints"])
+
+
 def bench_main(args) -> int:
     """`python -m kccl.bench --transport cuda_ipc`: run under MPI (one rank per GPU, or N ranks on one
     GPU under MPS). Rank r uses device r % device_count."""
@@ -106,8 +116,7 @@ def bench_main(args) -> int:
             try:
                 from cupy.cuda import nccl
 
-                uid = tuple(json.loads(bcast_str(world, json.dumps(list(nccl.get_unique_id()))
-                                                 if comm.rank == 0 else None)))
+                uid = _share_nccl_id(world, nccl.get_unique_id() if comm.rank == 0 else None)
                 nc = nccl.NcclCommunicator(comm.size, uid, comm.rank)
                 s = cp.cuda.Stream(non_blocking=True)
                 lat = []
@@ -134,8 +143,6 @@ def bench_main(args) -> int:
               "iters": iters, "delta": delta, "devices": sorted(set(comm.bus_ids)),
               "results": rows, "kernel_mean_loop_us": mean_span, "nccl": nccl_note or "ran", "notes": notes}
     if args.json:
-        import json
-
         print(json.dumps(report))
     else:
         print(f"kccl cuda_ipc: {world.size} ranks on {len(set(comm.bus_ids))} GPU(s) {report['devices']}, "
