@@ -194,10 +194,26 @@ __device__ __forceinline__ MrSums<E> mr_lane_sums(const MrPart& m, const MrRows<
   if (ready) return mr_sums_of<E>(P, g);
   return mr_lane_sums_polled<E>(m, R, g);
 }
+// One element (the delayed term of stage_combine, hval): each peer word polled in turn, own lanes from
+// p.part. As one batch (mr_lane_sums<1>) the monokernel spilled 608 bytes (224 so) and two GPUs decoded
+// 965-980 / 848-872 tokens/s (128 + 512 / 4096 context) against 990-999 / 911-936 so (fourteenth session)
 __device__ __forceinline__ float mr_lane_sum(const MrPart& m, int r, int g, float* own) {
-  const MrSums<1> s = mr_lane_sums<1>(m, MrRows<1>{{r}}, g);
-  if (own) *own = s.o[0];
-  return s.t[0];
+  float P[LG];
+  const int me = (int)kds.rank;
+#pragma unroll
+  for (int j = 0; j < LG; ++j) {
+    const int q = j / L;
+    P[j] = q == me ? ldf(m.own + (j % L) * D + r)
+                   : __uint_as_float(kccl_ll_get(kds, (const u64*)(m.ll + q * m.stride) + (j % L) * D + r, m.tag, q, m.c));
+  }
+  float tot = P[0], o = P[0];
+#pragma unroll
+  for (int j = 1; j < LG; ++j) {
+    tot += P[j];
+    if (j == g) o = P[j];
+  }
+  if (own) *own = o;
+  return tot;
 }
 #else
 struct MrPost {};   // one rank: nothing is posted
