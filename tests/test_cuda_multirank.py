@@ -519,6 +519,33 @@ def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n, tmp_path):
                 pytest.fail(f"N={n} rank {r} request {k}: first difference at token {i}: {a[i]} vs {b[i]}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+def test_generate_np2_gives_the_one_rank_ids(tiny_l8, one_rank_ids):
+    """The user's path on two GPUs: `kog generate --np 2 --backend cuda` (launcher, kog-worker's bootstrap,
+    the kccl windows, the control plane). Twice: the window setup once raced (a peer read a header whose
+    copy had not landed) and failed only here, while the backend-level ids test passed."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from mpi_helpers import have_mpiexec, mpi_env
+    import cupy as cp
+    if not have_mpiexec():
+        pytest.skip("no mpiexec")
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs (two cooperative kernels on one GPU need MPS)")
+    n = 64
+    want = one_rank_ids[0][:n]
+    for attempt in range(2):
+        r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "generate", "--np", "2", "--backend", "cuda",
+                            "--model", tiny_l8, "--prompt-ids", ",".join(map(str, PROMPT)), "-n", str(n),
+                            "--json"], capture_output=True, text=True, timeout=120, env=mpi_env())
+        assert r.returncode == 0, f"attempt {attempt}: {r.stderr[-3000:]}"
+        out = json.loads(r.stdout)
+        assert out["ranks"] == 2 and out["backend"] == "cuda"
+        ids = out["token_ids"]
+        assert ids == want[:len(ids)], f"attempt {attempt}: {ids} vs {want}"
+        assert len(ids) == n or out["stats"]["stop_reason"] == "eos"
+
+
 KILL_TIMEOUT = float(os.environ.get("KOG_KILL_TIMEOUT", "5"))   # the ranks' kccl timeout in this test (s)
 
 
