@@ -290,6 +290,8 @@ def _check_sizes(args) -> str | None:
                         ("--nblocks", args.nblocks, 1)):
         if v is not None and v < lo:
             return f"{flag} must be >= {lo} (got {v})"
+    if args.shape is not None and args.shape != "2b":
+        return f"unknown shape {args.shape!r} (known: 2b)"
     if args.ctx and args.ctx_gen >= args.ctx:
         return f"--ctx-gen ({args.ctx_gen}) must be below --ctx ({args.ctx}): the row decodes at that context"
     return None
