@@ -120,19 +120,8 @@ def hosts_of(comm=None) -> list[str]:
     if MPI is None or not MPI.Is_initialized():
         return [socket.gethostname()]
     comm = MPI.COMM_WORLD if comm is None else comm
-    return _allgather_names(comm, MPI.Get_processor_name())
-
-
-def _allgather_names(comm, name: str) -> list[str]:
-    """Every rank's host name (at most MPI_MAX_PROCESSOR_NAME bytes), in rank order."""
-    MPI = _mpi()
-    width = max(MPI.MAX_PROCESSOR_NAME, 1)
-    send = np.zeros(width, dtype=np.uint8)
-    raw = name.encode()[:width]
-    send[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    recv = np.empty(comm.Get_size() * width, dtype=np.uint8)
-    comm.Allgather(send, recv)
-    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in recv.reshape(-1, width)]
+    from kccl.mpi_plain import allgather_json
+    return allgather_json(comm, MPI.Get_processor_name())
 
 
 def require_single_node(comm=None) -> RankInfo:
@@ -152,9 +141,8 @@ def require_single_node(comm=None) -> RankInfo:
     # One node holds everyone <=> every rank's node holds everyone, so all ranks branch alike.
     if info.local_size == info.size:
         return info
-    lead = np.empty(comm.Get_size(), dtype=np.int64)
-    comm.Allgather(np.array([leader], dtype=np.int64), lead)
-    leaders = list(zip(lead.tolist(), _allgather_names(comm, info.hostname)))
+    from kccl.mpi_plain import allgather_json
+    leaders = allgather_json(comm, [leader, info.hostname])
     nodes: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for r, (ld, host) in enumerate(leaders):
