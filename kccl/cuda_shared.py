@@ -42,9 +42,9 @@ class SharedBuffer:
         self.ptrs = []
         try:
             for r, b in enumerate(raw):
-                if int(np.frombuffer(b[_HANDLE_BYTES:], np.int64)[0]) != self.nbytes:
-                    raise KcclError(f"rank {r} shares {int(np.frombuffer(b[_HANDLE_BYTES:], np.int64)[0])} "
-                                    f"bytes, this rank {self.nbytes}")
+                theirs = int(np.frombuffer(b[_HANDLE_BYTES:], np.int64)[0])
+                if theirs != self.nbytes:
+                    raise KcclError(f"rank {r} shares {theirs} bytes, this rank {self.nbytes}")
                 if r == self.rank:
                     self.ptrs.append(self.own)
                     continue
