@@ -6,10 +6,11 @@ LL ring depth against a model of the kernel's per-lane posts and reads under ran
 overwrite of a word still to be read; a ring shorter than 2 * delta does overwrite one), slot sizes, the prefill gather pieces, and nvcc compiles of
 the multi-rank kernel for N = 2, 4, 8 (when nvcc is installed).
 
-GPU (marker gpu; skipped without CuPy, a GPU or mpiexec; tests/gpu_multirank.sh runs them on the H200
-under MPS): N = 2, 4, 8 ranks give the one-rank greedy ids (and the numpy engine's) for 128 tokens of an
+GPU (marker gpu; skipped without CuPy, a GPU or mpiexec, and where ranks would share a GPU without MPS;
+tests/gpu_multirank.sh runs them on the H200 under MPS): N = 2, 4, 8 ranks give the one-rank greedy ids (and the numpy engine's) for 128 tokens of an
 fp32 tiny checkpoint with 8 lanes, a second request continues the slot and the kccl epochs, seeded
-sampling gives the one-rank ids (N = 2, 4, 8 passed on the H200 under MPS); a rank SIGKILLed mid-decode,
+sampling gives the one-rank ids (N = 2, 4, 8 passed on the H200 under MPS; KOG_TEST_DEFINES="CFG_X=1"
+builds every rank's kernel with a tuning variant's defines, as in test_cuda_backend.py); a rank SIGKILLed mid-decode,
 or between two requests, makes the others raise PeerLost (or KcclTimeout naming it) within the kccl
 timeout (5 s here, env KOG_KILL_TIMEOUT) plus a few seconds, and exit non-zero instead of spinning.
 
@@ -372,7 +373,8 @@ cp.cuda.Device(world.rank % cp.cuda.runtime.getDeviceCount()).use()
 model, gen, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 cfg = load_config(model)
 comm = Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, world.size, timeout=30.0))
-b = CudaBackend(model, max_seq=512, num_slots=2, progress=False, comm=comm)
+defines = dict(d.split("=", 1) for d in os.environ.get("KOG_TEST_DEFINES", "").split())   # a tuning variant
+b = CudaBackend(model, max_seq=512, num_slots=2, progress=False, comm=comm, extra_defines=defines)
 r1 = b.run(RunCommand(append=prompt, max_new_tokens=gen), ignore_eos=True)
 r2 = b.run(RunCommand(slot=0, keep=r1.cached, append=[5, 6, 7], max_new_tokens=16), ignore_eos=True)
 r3 = b.run(RunCommand(slot=1, append=prompt[:5], max_new_tokens=32,
@@ -501,9 +503,11 @@ def one_rank_ids(tiny_l8):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n, tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
-    from mpi_helpers import have_mpiexec, run_mpi
+    from mpi_helpers import have_mpiexec, run_mpi, shared_gpu_reason
     if not have_mpiexec():
         pytest.skip("no mpiexec")
+    if shared_gpu_reason(n):
+        pytest.skip(shared_gpu_reason(n))
     want = one_rank_ids
     res = run_mpi(n, code=RANK_RUN, args=(tiny_l8, GEN, json.dumps(PROMPT), str(tmp_path)), timeout=75)
     print(res.stdout[-3000:])
@@ -568,7 +572,9 @@ def test_killed_rank_makes_the_others_exit(tmp_path, when):
     fault had hit (2 x H200, 2026-11-30; in pytests of their own both passed)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from kog_dist.tiny import write_tiny_checkpoint
-    from mpi_helpers import run_plain
+    from mpi_helpers import run_plain, shared_gpu_reason
+    if shared_gpu_reason(4):
+        pytest.skip(shared_gpu_reason(4))
     model, rdv = tmp_path / "model", tmp_path / "rdv"
     rdv.mkdir()
     # the tiny_l8 shape (the same kernel build: max_position_embeddings is not a compile constant)

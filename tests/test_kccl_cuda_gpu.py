@@ -1,7 +1,8 @@
 """kccl cuda_ipc on a GPU (marker gpu; skipped without CuPy, a CUDA device or mpiexec).
 
-N ranks as N processes: one GPU each where there are enough, else all on one GPU (start MPS first so
-their kernels run at the same time: `nvidia-cuda-mps-control -d`). Under Open MPI set
+N ranks as N processes: one GPU each where there are enough, else several on a GPU (start MPS first so
+their kernels run at the same time: `nvidia-cuda-mps-control -d`; without it the tests whose persistent
+kernels would share a GPU skip, saying so: mpi_helpers.shared_gpu_reason). Under Open MPI set
 KCCL_MPIEXEC=mpirun and OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 OMPI_MCA_rmaps_base_oversubscribe=1 as needed (kccl/device/run_gpu_checks.sh does).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpi_helpers import have_mpiexec, run_mpi, run_plain
+from mpi_helpers import have_mpiexec, run_mpi, run_plain, shared_gpu_reason
 
 pytestmark = pytest.mark.gpu
 
@@ -228,6 +229,13 @@ except PeerLost as e:
 '''
 
 
+def _need_together(n):
+    """Persistent kernels of n ranks that wait on each other must run at the same time."""
+    why = shared_gpu_reason(n)
+    if why:
+        pytest.skip(why)
+
+
 def _ranks_ok(res, n):
     assert res.returncode == 0, res.output[-6000:]
     assert res.marks("OK") == list(range(n)), res.output[-6000:]
@@ -250,6 +258,7 @@ def test_host_ops(n):
     pytest.param(8, 3000, 2, 90, id="n8"),
 ])
 def test_stress_persistent_kernel(n, rounds, nblocks, limit):
+    _need_together(n)
     res = run_mpi(n, code=STRESS, args=(rounds, nblocks), timeout=limit)
     print(res.stdout)
     _ranks_ok(res, n)
@@ -263,6 +272,7 @@ def test_stress_persistent_kernel(n, rounds, nblocks, limit):
     pytest.param(8, 3000, 2, 60, id="n8"),   # beside the flag n8 in run_gpu_checks.sh's stress8 step
 ])
 def test_ll_stress_persistent_kernel(n, rounds, nblocks, limit):
+    _need_together(n)
     res = run_mpi(n, code=LL_STRESS, args=(rounds, nblocks), timeout=limit)
     print(res.stdout)
     _ranks_ok(res, n)
@@ -278,6 +288,7 @@ def test_silent_rank_times_out_with_its_name():
 
 @skip_gpu
 def test_killed_rank_is_reported(tmp_path):
+    _need_together(3)
     res = run_plain(3, KILLED, timeout=60, folder=str(tmp_path))
     print(res.output)
     lost = [line.split() for line in res.stdout.splitlines() if line.startswith("LOST")]
