@@ -506,8 +506,9 @@ def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n, tmp_path):
     from mpi_helpers import have_mpiexec, run_mpi, shared_gpu_reason
     if not have_mpiexec():
         pytest.skip("no mpiexec")
-    if shared_gpu_reason(n):
-        pytest.skip(shared_gpu_reason(n))
+    why = shared_gpu_reason(n)
+    if why:
+        pytest.skip(why)
     want = one_rank_ids
     res = run_mpi(n, code=RANK_RUN, args=(tiny_l8, GEN, json.dumps(PROMPT), str(tmp_path)), timeout=75)
     print(res.stdout[-3000:])
@@ -573,8 +574,9 @@ def test_killed_rank_makes_the_others_exit(tmp_path, when):
     sys.path.insert(0, os.path.dirname(__file__))
     from kog_dist.tiny import write_tiny_checkpoint
     from mpi_helpers import run_plain, shared_gpu_reason
-    if shared_gpu_reason(4):
-        pytest.skip(shared_gpu_reason(4))
+    why = shared_gpu_reason(4)
+    if why:
+        pytest.skip(why)
     model, rdv = tmp_path / "model", tmp_path / "rdv"
     rdv.mkdir()
     # the tiny_l8 shape (the same kernel build: max_position_embeddings is not a compile constant)
