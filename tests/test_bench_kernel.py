@@ -39,7 +39,8 @@ def test_three_marks_still_read_and_formatted():
     for k in ("qkv", "wo", "w13", "w2", "lm"):
         assert coarse[k]["critical_us"] == fine[k]["critical_us"] and coarse[k]["rows_us"] == 0.0
     assert "rows us" in format_breakdown(fine) and "rows us" not in format_breakdown(coarse)
-    assert format_breakdown(fine).splitlines()[-1].startswith("total")
+    last = format_breakdown(fine).splitlines()[-2:]
+    assert last[0].startswith("total") and last[1].startswith("layers")
 
 
 def test_lane_chains_read_when_blocks_split_evenly_over_lanes():
@@ -51,3 +52,14 @@ def test_lane_chains_read_when_blocks_split_evenly_over_lanes():
     assert abs(bd["lanes"]["slowest_minus_median_us"] - (e1 - e0) / 2) < 1e-6
     assert "lane chains end" in format_breakdown(bd)
     assert "lanes" not in phase_breakdown(t, 2, num_lanes=3) and "lanes" not in phase_breakdown(t, 2)
+
+
+def test_layer_spans_add_up_to_the_token():
+    t = _marks(nl=3, nb=4)
+    t[5 * 1 + 4, 2, 2] += 4_000                      # layer 1's W2: block 2 ends 4 us later (3.9 after block 3)
+    bd = phase_breakdown(t, 3)
+    # layer 0: token wait end (1 us) -> its last W2 end (41 + 9.3 us); layers 50 us apart, layer 1 3.9 us longer
+    assert bd["layer_us"] == [49.3, 53.9, 46.1]
+    assert bd["lm_after_layers_us"] == 10.0
+    assert abs(sum(bd["layer_us"]) + bd["lm_after_layers_us"] - bd["total_us"]) < 1e-6
+    assert "layers (us" in format_breakdown(bd)

@@ -12,8 +12,9 @@ def phase_breakdown(timing: np.ndarray, num_layers: int, num_lanes: int | None =
     per phase kind, summed over layers: the time from the end of the previous phase (last block) to the
     end of this one (last block); the median per-block wait (entry -> inputs ready) and busy (inputs
     ready -> done); with 5 marks also the median staging (inputs ready -> row loop), rows (the row loop)
-    and signal (rows done -> done) times, and the tail (median block's end -> last block's end). With
-    num_lanes, when the blocks split evenly over the lanes (block b serves lane b // (blocks / lanes) in every
+    and signal (rows done -> done) times, and the tail (median block's end -> last block's end). Also
+    "layer_us": each layer's span (from the previous layer's last W2 end; layer 0 from the token) and
+    "lm_after_layers_us", the LM head's after them. With num_lanes, when the blocks split evenly over the lanes (block b serves lane b // (blocks / lanes) in every
     phase), also "lanes": when each lane's chain ends (its last block's W2 of the last layer) and how far the
     slowest lane trails the median one: the LM head waits for the slowest."""
     t = timing.astype(np.int64)
@@ -44,6 +45,11 @@ def phase_breakdown(timing: np.ndarray, num_layers: int, num_lanes: int | None =
                 o["signal_us"] += float(np.median(m[fine, 2] - m[fine, 4])) / 1e3
         prev = end
     out["total_us"] = (prev - start) / 1e3
+    # each layer from the previous one's last W2 (layer 0: from the token) to its own; then the LM head
+    ends = [int(t[5 * i + 4, :, 2].max()) for i in range(N)]
+    if all(e > 0 for e in ends) and prev > ends[-1]:
+        out["layer_us"] = [round((e - b) / 1e3, 1) for b, e in zip([start] + ends[:-1], ends)]
+        out["lm_after_layers_us"] = round((prev - ends[-1]) / 1e3, 1)
     nb = t.shape[1]
     if num_lanes and num_lanes > 1 and nb % num_lanes == 0:
         last = t[5 * N - 1, :, 2].reshape(num_lanes, nb // num_lanes)
@@ -68,6 +74,9 @@ def format_breakdown(b: dict, streamed: dict | None = None) -> str:
             row += f" | {streamed[k] / (x['critical_us'] * 1e3):.0f}"
         lines.append(row)
     lines.append(f"total (token wait end -> LM end) | {b['total_us']:.1f}")
+    if "layer_us" in b:
+        lines.append(f"layers (us, the last block's W2 end to the next) | {' '.join(f'{x:.1f}' for x in b['layer_us'])}"
+                     f" | LM head {b['lm_after_layers_us']:.1f}")
     if "lanes" in b:
         ln = b["lanes"]
         lines.append(f"lane chains end (us) | {' '.join(f'{e:.1f}' for e in ln['end_us'])} | slowest - median "
