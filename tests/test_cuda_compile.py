@@ -29,6 +29,20 @@ def test_nvcc_compiles(src, wt, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_monokernel_compiles_without_timing_marks(tmp_path):
+    """CFG_MARKS=0 (a build variant without the profile's clock marks) compiles, warning-free, and is smaller."""
+    src = os.path.join(CUDA_DIR, "monokernel.cu")
+    size = {}
+    for marks in (1, 0):
+        out = tmp_path / f"m{marks}.cubin"
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-DCFG_WT=1", f"-DCFG_MARKS={marks}", "-cubin", src,
+                            "-o", str(out)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-4000:]
+        size[marks] = out.stat().st_size
+    assert size[0] < size[1]
+
+
 def test_inlined_source_has_no_includes():
     from workers.cuda.build import source
     s = source()

@@ -150,8 +150,15 @@ __device__ __forceinline__ u64 gtimer() {
 }
 // phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done,
 // 3 inputs staged, the row loop starts, 4 rows done, before the signal; 3 and 4 in QKV, WO, W13, W2)
+// CFG_MARKS 0 compiles the marks out (8 KB of the kernel's machine code; not measured yet: docs/monokernel.md)
+#ifndef CFG_MARKS
+#define CFG_MARKS 1
+#endif
 constexpr int TMARKS = 5;
+static_assert(TMARKS == 5, "backend.py allocates the marks as [5 NL + 2][NB][5]");
 __device__ __forceinline__ void tmark(const Params& p, int n, int ph, int k) {
+#if CFG_MARKS
   if (p.timing && n == p.timing_token && threadIdx.x == 0)
     p.timing[((long long)ph * NB + blockIdx.x) * TMARKS + k] = gtimer();
+#endif
 }
