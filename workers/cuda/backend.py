@@ -208,7 +208,7 @@ class CudaBackend(Backend):
         receives every step's logits; with several ranks only the rows of the rank's LM head share,
         multirank.lm_rows) and timing_token (record per-phase clock marks of that decode step
         into self.last_timing, [5N+2, blocks, 5] ns: mk_layout.cuh tmark) are for tests and benchmarks."""
-        if timing_token is not None and str(self.k.defs.get("CFG_MARKS", 1)) == "0":
+        if timing_token is not None and str(self.k.defines.get("CFG_MARKS", 1)) == "0":
             raise ValueError("this monokernel was built without timing marks (CFG_MARKS=0): no per-phase profile")
         self._timing_token = timing_token
         cp, cfg = self.cp, self.cfg
