@@ -144,3 +144,17 @@ def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
     lines = counter_lines(ctr, lanes)
     assert lines[3] == "  w13: [0, 0, 0, 0, 0, 77, 0, 0]"
     assert lines[-1] == "  ticket 1280; token word: 10 tokens given, stop 2, last token 31999; cancel 1"
+
+
+def test_profile_of_a_build_without_marks_is_refused():
+    """CudaBackend.run(timing_token=...) on a CFG_MARKS=0 build: one ValueError before any GPU work (the
+    backend here is a shell holding only the build's defines; no CuPy needed)."""
+    from workers.cuda.backend import CudaBackend
+
+    class Built:
+        defines = {"CFG_MARKS": "0"}
+
+    b = object.__new__(CudaBackend)
+    b.k = Built()
+    with pytest.raises(ValueError, match="without timing marks"):
+        CudaBackend.run(b, None, timing_token=3)
