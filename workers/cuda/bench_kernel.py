@@ -15,8 +15,9 @@ def phase_breakdown(timing: np.ndarray, num_layers: int, num_lanes: int | None =
     and signal (rows done -> done) times, and the tail (median block's end -> last block's end). Also
     "layer_us": each layer's span (from the previous layer's last W2 end; layer 0 from the token) and
     "lm_after_layers_us", the LM head's after them. With num_lanes, when the blocks split evenly over the
-    lanes (block b serves lane b // (blocks / lanes) in every phase), also "lanes": when each lane's chain ends (its last block's W2 of the last layer) and how far the
-    slowest lane trails the median one: the LM head waits for the slowest."""
+    lanes (block b serves lane b // (blocks / lanes) in every phase), also "lanes": when each lane's chain
+    ends (its last block's W2 of the last layer) and how far the slowest lane trails the median one: the LM
+    head waits for the slowest."""
     t = timing.astype(np.int64)
     N = num_layers
     tok = t[5 * N + 1]
