@@ -61,20 +61,10 @@ def have_mpiexec() -> bool:
 
 
 def mps_running() -> bool:
-    """Whether an MPS daemon runs here (KOG_TEST_MPS=1 says so where it cannot be seen, e.g. on the host
-    of a container). Ranks that share a GPU need it: without it their persistent kernels take turns in
-    time slices, and every wait on a peer lasts a slice (an 8-rank kccl stress on 2 GPUs ran past 60 s)."""
-    if os.environ.get("KOG_TEST_MPS") == "1":
-        return True
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/comm") as f:
-                    if f.read().startswith("nvidia-cuda-mps"):   # -control / -server (comm: 15 chars)
-                        return True
-            except OSError:
-                pass
-    return False
+    """topology's MPS check; KOG_TEST_MPS=1 says MPS runs where the check cannot see it. An 8-rank kccl
+    stress on 2 GPUs without MPS ran past 60 s (every wait on a peer lasts a time slice)."""
+    from topology.probe import mps_running as seen
+    return os.environ.get("KOG_TEST_MPS") == "1" or seen()
 
 
 def shared_gpu_reason(n: int) -> str | None:

@@ -14,6 +14,23 @@ from .probe_amd import AmdInfo, load_amd_smi_json, probe_amd_live
 from .probe_nvml import NvmlInfo, probe_nvml
 from .probe_sysfs import PciDevice, SysfsInfo, read_sysfs
 
+def mps_running() -> bool:
+    """Whether CUDA MPS serves this machine: its control pipe exists (CUDA_MPS_PIPE_DIRECTORY, default
+    /tmp/nvidia-mps; also seen from a container that mounts it), or an MPS process runs here. Ranks that
+    share a GPU need it: without it their persistent kernels take turns in time slices."""
+    if os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control")):
+        return True
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().startswith("nvidia-cuda-mps"):   # -control / -server (comm: 15 chars)
+                        return True
+            except OSError:
+                pass
+    return False
+
+
 KNOWN_NAMES = {(0x10DE, 0x2335): "NVIDIA H200", (0x10DE, 0x233B): "NVIDIA H200 NVL",
                (0x10DE, 0x2330): "NVIDIA H100 80GB HBM3", (0x10DE, 0x2331): "NVIDIA H100 PCIe",
                (0x10DE, 0x20B2): "NVIDIA A100-SXM4-80GB", (0x1002, 0x74A1): "AMD Instinct MI300X",

@@ -107,10 +107,11 @@ def run(a) -> int:
     gcomm = None   # --backend cuda, several ranks: the monokernels exchange through kccl cuda_ipc
     if kind == "cuda" and size > 1:
         import cupy as cp
+        from topology.probe import mps_running
         from workers.cuda.multirank import comm_kwargs
         cp.cuda.Device(info.local_rank % cp.cuda.runtime.getDeviceCount()).use()   # before create (one GPU: MPS)
         gcomm = kccl.Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, size))
-        if rank == 0 and len(set(gcomm.bus_ids)) < size and not _mps_running():
+        if rank == 0 and len(set(gcomm.bus_ids)) < size and not mps_running():
             log(f"{size} ranks share {len(set(gcomm.bus_ids))} GPU(s) and the MPS daemon does not seem to run: "
                 "their persistent kernels time-slice and every exchange waits for a slice (slow); start "
                 "`nvidia-cuda-mps-control -d` first")
@@ -154,10 +155,6 @@ def _from_rank0(world, make) -> str:
         raise RuntimeError(text[6:])
     return text[3:]
 
-
-def _mps_running() -> bool:
-    """The MPS control daemon's pipe exists (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps)."""
-    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
 
 
 def _unlink_mpi_segments(world, local_rank: int) -> None:
