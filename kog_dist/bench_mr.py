@@ -69,14 +69,14 @@ def run_rank(args, say, emit) -> int:
     need = max(args.pp + 1, args.prompt + args.gen, args.ctx)
     weights = None
     if args.shape:
-        k = build(cfg, dtype, nb, args.prefetch, progress=rank == 0, extra=extra, nranks=n)
+        k = build(cfg, dtype, nb, args.prefetch, progress=rank == 0, extra=extra, nranks=n, marks=args.profile)
         args.prefetch = int(k.defines["CFG_PF"])   # the report's args say what ran
         t0 = time.perf_counter()
         weights = random_weights(view, dtype, k, seed=args.seed)
         log(f"random {args.shape} weights of every rank on its device in {time.perf_counter() - t0:.1f} s")
     backend = CudaBackend(None if args.shape else args.model, max_seq=min(need, cfg.max_position_embeddings),
                           num_slots=1, comm=comm, cfg=cfg, weights=weights, nblocks=nb, prefetch=args.prefetch,
-                          extra_defines=extra, progress=rank == 0,
+                          extra_defines=extra, progress=rank == 0, timing_marks=args.profile,
                           dtype=None if args.shape or args.dtype == "bf16" else dtype)
     # each GPU's copy bandwidth, measured alone (one rank of each GPU, one GPU after the other)
     first_of_gpu = comm.bus_ids.index(comm.bus_ids[rank]) == rank

@@ -28,15 +28,17 @@ if n > 1:
     nb = mr.blocks_per_rank(view, sms, -(-n // ndev))    # ranks sharing this rank's GPU (MPS when > 1)
 else:
     view, nb = cfg, default_blocks(cfg, sms)
-k = build(cfg, dt, nb, nranks=n, progress=False)
+prof = "profile" in sys.argv[2:]
+k = build(cfg, dt, nb, nranks=n, progress=False, marks=prof)
 dw = random_weights(view, dt, k, seed=1)
-b = CudaBackend(cfg=cfg, weights=dw, comm=comm, nblocks=nb, max_seq=4096, num_slots=1, progress=False)
+b = CudaBackend(cfg=cfg, weights=dw, comm=comm, nblocks=nb, max_seq=4096, num_slots=1, progress=False,
+                timing_marks=prof)
 b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=32), ignore_eos=True)          # warm-up
 rates = []
 for _ in range(3):
     r = b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=gen), ignore_eos=True)
     rates.append((len(r.token_ids) - 1) / r.decode_ms * 1e3)
-if "profile" in sys.argv[2:]:
+if prof:
     from workers.cuda.bench_kernel import format_breakdown, phase_breakdown
     b.run(RunCommand(append=[1, 2, 3, 4], max_new_tokens=min(gen, 256)), ignore_eos=True, timing_token=200)
     text = format_breakdown(phase_breakdown(b.last_timing, cfg.num_hidden_layers))

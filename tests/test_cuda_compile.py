@@ -30,17 +30,32 @@ def test_nvcc_compiles(src, wt, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_monokernel_compiles_without_timing_marks(tmp_path):
-    """CFG_MARKS=0 (a build variant without the profile's clock marks) compiles, warning-free, and is smaller."""
+def test_monokernel_builds_with_and_without_timing_marks(tmp_path):
+    """The profile's build (CFG_MARKS=1) and the kept variant with Params through a pointer (CFG_PCONST=0)
+    compile warning-free beside the default; the marks make the kernel larger."""
     src = os.path.join(CUDA_DIR, "monokernel.cu")
     size = {}
-    for marks in (1, 0):
-        out = tmp_path / f"m{marks}.cubin"
-        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-DCFG_WT=1", f"-DCFG_MARKS={marks}", "-cubin", src,
-                            "-o", str(out)], capture_output=True, text=True, timeout=600)
+    for marks, pconst in ((1, 1), (0, 1), (0, 0)):
+        out = tmp_path / f"m{marks}{pconst}.cubin"
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-DCFG_WT=1", f"-DCFG_MARKS={marks}",
+                            f"-DCFG_PCONST={pconst}", "-cubin", src, "-o", str(out)],
+                           capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-4000:]
-        size[marks] = out.stat().st_size
-    assert size[0] < size[1]
+        size[marks, pconst] = out.stat().st_size
+    assert size[0, 1] < size[1, 1]
+
+
+def test_timing_marks_only_in_the_profile_build():
+    """The decode build leaves the clock marks out (measured faster) and passes Params by value, for any rank
+    count; marks=True (kog bench --profile) compiles them in; a define wins."""
+    from kog_dist.bench import shape_config
+    from workers.cuda.build import defines
+    big = shape_config("2b")
+    for n in (1, 2):
+        assert defines(big, "BF16", 128, nranks=n)["CFG_MARKS"] == 0
+        assert defines(big, "BF16", 128, nranks=n, marks=True)["CFG_MARKS"] == 1
+        assert defines(big, "BF16", 128, nranks=n)["CFG_PCONST"] == 1
+    assert defines(big, "BF16", 128, extra={"CFG_PCONST": 0})["CFG_PCONST"] == 0
 
 
 def test_inlined_source_has_no_includes():
@@ -147,14 +162,15 @@ def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
 
 
 def test_profile_of_a_build_without_marks_is_refused():
-    """CudaBackend.run(timing_token=...) on a CFG_MARKS=0 build: one ValueError before any GPU work (the
-    backend here is a shell holding only the build's defines; no CuPy needed)."""
+    """CudaBackend.run(timing_token=...) on a build without the marks (the default): one ValueError that says
+    how to get them, before any GPU work (the backend here is a shell holding only the build's defines; no
+    CuPy needed)."""
     from workers.cuda.backend import CudaBackend
 
     class Built:
-        defines = {"CFG_MARKS": "0"}
+        defines = {"CFG_MARKS": 0}
 
     b = object.__new__(CudaBackend)
     b.k = Built()
-    with pytest.raises(ValueError, match="without timing marks"):
+    with pytest.raises(ValueError, match="without timing marks: create the backend with timing_marks=True"):
         CudaBackend.run(b, None, timing_token=3)

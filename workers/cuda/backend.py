@@ -76,7 +76,8 @@ def counter_lines(ctr: np.ndarray, lanes: int) -> list[str]:
 class CudaBackend(Backend):
     def __init__(self, model_dir: str | None = None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
-                 prefetch: int | None = None, prefill_chunk: int = 2048, extra_defines: dict | None = None):
+                 prefetch: int | None = None, prefill_chunk: int = 2048, extra_defines: dict | None = None,
+                 timing_marks: bool = False):
         import cupy as cp
         from kog_dist.config import load_config
 
@@ -124,7 +125,7 @@ class CudaBackend(Backend):
         cfg = self.cfg
         self.dw = weights
         self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
-                       nranks=self.nranks)
+                       nranks=self.nranks, marks=timing_marks)
         self.nblocks = int(self.k.defines["CFG_NB"])
         self.nthreads = int(self.k.defines.get("CFG_NT", 512))
         if self.k.params_bytes > N_PARAMS * 8:
@@ -208,8 +209,9 @@ class CudaBackend(Backend):
         receives every step's logits; with several ranks only the rows of the rank's LM head share,
         multirank.lm_rows) and timing_token (record per-phase clock marks of that decode step
         into self.last_timing, [5N+2, blocks, 5] ns: mk_layout.cuh tmark) are for tests and benchmarks."""
-        if timing_token is not None and str(self.k.defines.get("CFG_MARKS", 1)) == "0":
-            raise ValueError("this monokernel was built without timing marks (CFG_MARKS=0): no per-phase profile")
+        if timing_token is not None and str(self.k.defines.get("CFG_MARKS", 0)) != "1":
+            raise ValueError("this monokernel was built without timing marks: create the backend with "
+                             "timing_marks=True (kog bench --profile) for a per-phase profile")
         self._timing_token = timing_token
         cp, cfg = self.cp, self.cfg
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
@@ -256,12 +258,15 @@ class CudaBackend(Backend):
             launch = cp.cuda.driver.launchCooperativeKernel
         except AttributeError:     # an older CuPy: a plain launch (132 blocks on 132 idle SMs)
             self.cooperative = False
-            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
+            self._plain_launch()
             return
-        self._argval = ctypes.c_uint64(self.params.data.ptr)
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._argval))
+        if self._params_by_value:   # the Params words themselves (mk_layout.cuh CFG_PCONST)
+            self._argv = (ctypes.c_void_p * 1)(self._hparams.ctypes.data)
+        else:
+            self._argval = ctypes.c_uint64(self.params.data.ptr)
+            self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._argval))
         if self.comm is not None and self.cooperative is False:
-            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
+            self._plain_launch()
             return
         try:
             launch(fptr, self.nblocks, 1, 1, self.nthreads, 1, 1, self.k.smem_bytes, self.stream.ptr,
@@ -275,9 +280,21 @@ class CudaBackend(Backend):
             print(f"[kog] rank {self.comm.rank}: cooperative launch refused ({e}); plain launch",
                   file=sys.stderr, flush=True)
             self.cooperative = False
-            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
+            self._plain_launch()
             return
         self.cooperative = True
+
+    @property
+    def _params_by_value(self) -> bool:
+        return str(self.k.defines.get("CFG_PCONST", 1)) == "1"
+
+    def _plain_launch(self):
+        if not self._params_by_value:
+            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
+            return
+        self._argv = (ctypes.c_void_p * 1)(self._hparams.ctypes.data)
+        self.cp.cuda.driver.launchKernel(self.k.mono.kernel.ptr, self.nblocks, 1, 1, self.nthreads, 1, 1,
+                                         self.k.smem_bytes, self.stream.ptr, ctypes.addressof(self._argv), 0)
 
     def _hang_report(self, seen):
         """The kernel made no progress for hang_s: if the CUDA context faulted, raise that (several
@@ -340,7 +357,9 @@ class CudaBackend(Backend):
             i64[31 + j] = s
         for j, s in enumerate(dev_eos):
             i64[47 + j] = s
-        self.params.set(h, stream=self.stream)
+        self._hparams = h              # passed by value at the launch (CFG_PCONST)
+        if not self._params_by_value:
+            self.params.set(h, stream=self.stream)
 
     _watch_t = 0.0
 

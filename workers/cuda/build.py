@@ -24,16 +24,17 @@ def source() -> str:
 
 
 def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: dict | None = None,
-            nranks: int = 1) -> dict:
+            nranks: int = 1, marks: bool = False) -> dict:
     """-D options of one build. nranks > 1: the kernel of one of nranks ranks (multirank.defines: the
     rank's lanes/heads/kv heads/ffn rows, CFG_LG, KOG_NRANKS); nranks == 1 gives the measured build's.
-    prefetch None: prefetch_bytes(nranks)."""
+    prefetch None: prefetch_bytes(nranks). marks: compile the per-phase clock marks in (CFG_MARKS, for
+    `kog bench --profile`; 1.4% slower on one H200, so the decode build leaves them out)."""
     sw = cfg.sliding_window or 0
     if prefetch is None:
         prefetch = prefetch_bytes(nranks)
     if nranks > 1:
         from .multirank import defines as mr_defines
-        d = defines(cfg, dtype, nblocks, prefetch, None)
+        d = defines(cfg, dtype, nblocks, prefetch, None, marks=marks)
         d.update(mr_defines(cfg, nranks), CFG_SKEW_NS=skew_ns(cfg, dtype, nranks), CFG_UB_QKV=qkv_loads(nranks))
         return {**d, **(extra or {})}
     return {
@@ -45,7 +46,8 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
         "CFG_SW": sw, "CFG_SWN": cfg.sliding_window_n_layers if sw else 0,
         "CFG_THETA": repr(float(cfg.rope_theta)), "CFG_EPS": repr(float(cfg.norm_eps)) + "f",
         "CFG_NB": nblocks, "CFG_PF": prefetch, "CFG_SKEW_NS": skew_ns(cfg, dtype),
-        "CFG_UB_QKV": qkv_loads(nranks), **(extra or {}),
+        "CFG_UB_QKV": qkv_loads(nranks), "CFG_MARKS": int(marks),
+        "CFG_PCONST": 1, **(extra or {}),
     }
 
 
@@ -164,7 +166,7 @@ class Kernels:
 
 
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True,
-          extra: dict | None = None, nranks: int = 1) -> Kernels:
+          extra: dict | None = None, nranks: int = 1, marks: bool = False) -> Kernels:
     """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_NR_WO, CFG_UB_QKV, CFG_UB_WO,
     CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_BULK, CFG_PF_ATT, CFG_SKEW_NS; several ranks: CFG_MRE); the defaults
     are what the backend uses.
@@ -179,7 +181,7 @@ def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = No
     if nblocks is None:
         nblocks = default_blocks(cfg, cp.cuda.Device().attributes["MultiProcessorCount"])
     check_shape(shape, dtype, nblocks)
-    defs = defines(cfg, dtype, nblocks, prefetch, extra, nranks)
+    defs = defines(cfg, dtype, nblocks, prefetch, extra, nranks, marks)
     key = tuple(sorted(defs.items()))
     if key in _cache:
         return _cache[key]

@@ -91,7 +91,8 @@ __device__ __forceinline__ void att_pass(const AttRows& r, const float* sq, int 
   }
 }
 
-__device__ __noinline__ void phase_att(const Params& p, float* sm, int n, int i, int t, int tok) {
+__device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i, int t, int tok) {
+  const Params& p = NOINL_PARAMS(p_);
   int ua, ub;
   const int ph = 5 * i + 1;
   tmark(p, n, ph, 0);

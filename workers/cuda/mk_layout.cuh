@@ -142,6 +142,20 @@ struct Params {                  // every field 8 bytes; backend.py fills it in 
   float* yfin;                   // 62 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
 #endif
 };
+// CFG_PCONST 1: the kernel takes Params by value (__grid_constant__: the words are constant-bank operands
+// of the instructions that use them, +0.9% on the 2B shape on one H200) instead of a pointer whose words
+// each block copies into shared memory and reads from there (0). The out-of-line functions read a shared
+// copy (ps_s): a pointer to a parameter is a generic one, read through L1.
+#ifndef CFG_PCONST
+#define CFG_PCONST 1
+#endif
+#if CFG_PCONST
+__shared__ Params ps_s;
+#define NOINL_PARAMS(x) ps_s
+#else
+#define NOINL_PARAMS(x) x
+#endif
+
 
 __device__ __forceinline__ u64 gtimer() {
   u64 t;
@@ -150,9 +164,10 @@ __device__ __forceinline__ u64 gtimer() {
 }
 // phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done,
 // 3 inputs staged, the row loop starts, 4 rows done, before the signal; 3 and 4 in QKV, WO, W13, W2)
-// CFG_MARKS 0 compiles the marks out (8 KB of the kernel's machine code; not measured yet: docs/monokernel.md)
+// CFG_MARKS 1 compiles the marks in (build.py marks=True, `kog bench --profile`); without them the kernel
+// is 8 KB of machine code smaller and 1.4% faster (2B on one H200: a branch on p.timing at every mark)
 #ifndef CFG_MARKS
-#define CFG_MARKS 1
+#define CFG_MARKS 0
 #endif
 constexpr int TMARKS = 5;
 static_assert(TMARKS == 5, "backend.py allocates the marks as [5 NL + 2][NB][5]");

@@ -4,7 +4,8 @@
 #pragma once
 
 // full sampling (temperature / top-k / top-p) by one block; returns the token in every thread
-__device__ __noinline__ int sample_full(const Params& p, float* sm, u64 counter) {
+__device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter) {
+  const Params& p = NOINL_PARAMS(p_);
   double* dred = reinterpret_cast<double*>(sm);    // [NW + 4]
   int* ired = reinterpret_cast<int*>(sm + 2 * (NW + 8));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -94,8 +94,9 @@ __device__ __forceinline__ void norm_g_load(float* sm, const float* g, int l0, i
 }
 // dst: the block's shared memory (sm); the weights at sm + GS_OFF (norm_g_load, waited for by the caller's
 // cp_async_wait_all, visible after the first barrier below)
-__device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, int l0, int nl, int tok,
+__device__ __noinline__ void stage_norms2(const Params& p_, float* dst, int s, int l0, int nl, int tok,
                                              unsigned wmask, float* red) {
+  const Params& p = NOINL_PARAMS(p_);
   const float* gs = dst + GS_OFF;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[2][DPT];
@@ -212,7 +213,8 @@ __device__ __noinline__ void stage_norms2(const Params& p, float* dst, int s, in
 constexpr int FNB = MAXL < CFG_FNB ? MAXL : CFG_FNB;   // lanes per batch (registers: FNB * DPT floats)
 // wait_n >= 0: the block waits for each batch's lanes of token wait_n's last W2 before it reads them, so
 // the lanes that finish first are normed while the others still stream; wait_n < 0: the caller waited
-__device__ __noinline__ void final_norms(const Params& p, int tok, float* red, float* rows, float* y, int wait_n) {
+__device__ __noinline__ void final_norms(const Params& p_, int tok, float* red, float* rows, float* y, int wait_n) {
+  const Params& p = NOINL_PARAMS(p_);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float acc[DPT];
 #pragma unroll

@@ -259,15 +259,28 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
 
 #include "mk_lm.cuh"
 
+#if CFG_PCONST
+extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const __grid_constant__ Params pv) {
+  const Params* __restrict__ pp = &pv;
+#else
 extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Params* __restrict__ pp) {
+#endif
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   __shared__ int tok_s, stop_s;
+#if CFG_PCONST
+  Params& ps = ps_s;
+#else
   __shared__ Params ps;
+#endif
   for (int x = threadIdx.x; x < (int)(sizeof(Params) / 8); x += blockDim.x)
     reinterpret_cast<u64*>(&ps)[x] = reinterpret_cast<const u64*>(pp)[x];
   __syncthreads();
+#if CFG_PCONST
+  const Params& p = pv;
+#else
   const Params& p = ps;
+#endif
 #if KOG_NRANKS > 1
   for (int x = threadIdx.x; x < (int)(sizeof(KcclDev) / 8); x += blockDim.x)
     reinterpret_cast<u64*>(&kds)[x] = reinterpret_cast<const u64*>(p.kd)[x];
