@@ -100,7 +100,7 @@ def measure(backend, args, log=_say) -> dict:
     V = cfg.vocab_size
     rng = np.random.default_rng(args.seed)
     greedy = SamplingParams()
-    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype)}
+    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype), "timing_marks": bool(args.profile)}
 
     def run(prompt, gen):
         return backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=gen, sampling=greedy),
@@ -358,6 +358,9 @@ def table(r: dict) -> str:
            f"{r['copy_bandwidth_GBps'] * 1e9 / mk['streamed_bytes_per_token']:.0f} tokens/s",
            line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
     out += [line(x) for x in rows]
+    if mk.get("timing_marks"):
+        out.append("--profile: every row ran the profile build (clock marks compiled in, ~1.4% slower); "
+                   "without --profile the rows are the decode build's")
     if "ctx_slowdown" in mk:
         out.append(f"decode at {mk['tg_ctx']['prompt'] + mk['tg_ctx']['gen']} context: "
                    f"{100 * mk['ctx_slowdown']:.1f}% slower than at {mk['tg']['prompt']}+{mk['tg']['gen']}")

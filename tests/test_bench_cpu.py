@@ -69,3 +69,18 @@ def test_bad_sizes_are_one_line_errors(tmp_path):
                       (("--ctx", "100", "--ctx-gen", "100"), "--ctx-gen (100) must be below --ctx (100)")):
         r = kog("bench", "--backend", "cpu", "--model", d, *args)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_table_says_when_the_rows_ran_the_profile_build():
+    """`kog bench --profile` compiles the clock marks into the kernel it measures: its table says so, a
+    table without --profile does not."""
+    from kog_dist.bench import table
+    rep = {"date": "2026-01-01", "device": "stand-in", "model": "tiny", "dtype": "F32", "copy_bandwidth_GBps": 100.0,
+           "baselines": [],
+           "monokernel": {"streamed_bytes_per_token": 1e6, "timing_marks": False,
+                          "pp": {"prompt": 16, "tokens_per_s": 1000.0, "ttft_ms": 16.0},
+                          "tg": {"prompt": 8, "gen": 8, "tokens_per_s": 50.0, "ms_per_token": 20.0,
+                                 "GB_per_s": 0.05, "fraction_of_copy_bw": 0.0005}}}
+    assert "profile build" not in table(rep)
+    rep["monokernel"]["timing_marks"] = True
+    assert "--profile: every row ran the profile build" in table(rep)
