@@ -123,6 +123,27 @@ def test_lane_skew_keeps_the_ids(models):
     assert r.token_ids == ref
 
 
+@pytest.mark.parametrize("pconst", [1, 0])
+def test_plain_launch_and_profile_build_keep_the_ids(models, pconst, monkeypatch):
+    """The launch without cooperative groups (an older CuPy; ranks on one GPU whose driver refuses the
+    cooperative launch) hands Params over as the kernel takes them: by value (the default) or through a
+    pointer (CFG_PCONST=0). Either way, on the profile build (timing marks compiled in), the ids are the
+    numpy engine's and the marks of the asked step are written."""
+    from workers.cuda.backend import CudaBackend
+    name = "d2_L4_gqa2_slide_first"
+    ref, _, _ = _ref_greedy(models[name], PROMPT, GEN)
+    b = _backend(models[name], extra_defines={"CFG_PCONST": pconst}, timing_marks=True)
+    assert b.k.defines["CFG_MARKS"] == 1 and b._params_by_value == bool(pconst)
+    monkeypatch.setattr(CudaBackend, "_launch", CudaBackend._plain_launch)
+    r = b.run(_cmd(append=PROMPT, max_new_tokens=GEN), ignore_eos=True, timing_token=3)
+    marks = b.last_timing
+    b.close()
+    assert r.token_ids == ref
+    assert marks is not None and (marks[:, :, 0] > 0).all()          # every phase's entry, every block
+    done = marks[:, :, 2]                                               # blocks without units return early
+    assert (done > 0).any() and ((done == 0) | (done >= marks[:, :, 0])).all()
+
+
 def test_logits_match_numpy_engine_and_outputs_poisoned(models):
     name = "d2_L4_gqa2_slide_first"
     ref, ref_logits, _ = _ref_greedy(models[name], PROMPT, 40)
