@@ -156,7 +156,6 @@ __shared__ Params ps_s;
 #define NOINL_PARAMS(x) x
 #endif
 
-
 __device__ __forceinline__ u64 gtimer() {
   u64 t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
