@@ -14,6 +14,7 @@ from .probe_amd import AmdInfo, load_amd_smi_json, probe_amd_live
 from .probe_nvml import NvmlInfo, probe_nvml
 from .probe_sysfs import PciDevice, SysfsInfo, read_sysfs
 
+
 def mps_running() -> bool:
     """Whether CUDA MPS serves this machine: its control pipe exists (CUDA_MPS_PIPE_DIRECTORY, default
     /tmp/nvidia-mps; also seen from a container that mounts it), or an MPS process runs here. Ranks that

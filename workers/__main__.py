@@ -156,7 +156,6 @@ def _from_rank0(world, make) -> str:
     return text[3:]
 
 
-
 def _unlink_mpi_segments(world, local_rank: int) -> None:
     """MPICH's node segment (/dev/shm/mpich_shm_*) outlives a rank that is SIGKILLed. Every rank has it
     mapped by now: drop its name, as kccl does with its own, so nothing is left in /dev/shm whatever way
