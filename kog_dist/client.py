@@ -15,7 +15,6 @@ called from another (it uses its own socket).
 from __future__ import annotations
 
 import itertools
-import sys
 from dataclasses import asdict, dataclass, field
 
 import zmq
@@ -337,13 +336,3 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def main(argv=None) -> int:
-    """`kog client ...` (kog_dist/client_cli.py), imported on call: client_cli imports this module."""
-    from .client_cli import main as cli_main
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -350,7 +350,7 @@ def _encode(tokenizer, text):
 
 
 def _make_command(*, slot, keep, append, max_new_tokens, params, stop_ids):
-    from workers.backend import RunCommand
+    from .backend import RunCommand
     from kog_dist.sampling import SamplingParams
     sp = SamplingParams(temperature=params.get("temperature", 0.0), top_k=params.get("top_k", 0),
                         top_p=params.get("top_p", 1.0), seed=params.get("seed", 0))

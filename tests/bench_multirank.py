@@ -11,8 +11,8 @@ from kccl.mpi_plain import allgather_json
 w = MPI.COMM_WORLD
 n = w.size
 cp.cuda.Device(w.rank % cp.cuda.runtime.getDeviceCount()).use()
-from kog_dist.bench import shape_config
-from workers.backend import RunCommand
+from kog_dist.shapes import shape_config
+from kog_dist.backend import RunCommand
 from workers.cuda import multirank as mr
 from workers.cuda.backend import CudaBackend
 from workers.cuda.build import build, default_blocks

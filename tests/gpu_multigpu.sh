@@ -22,7 +22,7 @@ G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NS=${NS:-$(for n in 1 2 4 8; do [ "$n" -le "${G:-1}" ] && echo -n "$n "; done)}
 STEPS=${STEPS:-"info topo build ids kccl bench kogbench"}
 DEADLINE=${DEADLINE:-420}
-K="$PY -m kog_dist.cli"
+K="$PY -m kog_cli"
 . "$(dirname "$0")/gpu_steps.sh"   # log, left, run
 log "GPUs: $G, N: $NS"
 for step in $STEPS; do case $step in
@@ -41,7 +41,7 @@ import subprocess, sys, time
 t0 = time.time()
 code = r'''
 import sys, cupy as cp
-from kog_dist.bench import shape_config
+from kog_dist.shapes import shape_config
 from kog_dist.config import LaneformerConfig
 from kog_dist.tiny import TINY_DEFAULTS
 from workers.cuda import multirank as mr

@@ -33,7 +33,7 @@ SERVE_BACKEND=${SERVE_BACKEND:-cuda}           # cpu: a dry run of the serve ste
 STEPS=${STEPS:-"info mps build ids serve kccl8 kill bench"}
 DEADLINE=${DEADLINE:-300}
 SM=${SERVE_MODEL:-/tmp/kog_mr_serve_model}     # the serve step's checkpoint (tiny, fp32, 8 lanes)
-K="$PY -m kog_dist.cli"
+K="$PY -m kog_cli"
 STEP_TAIL=30
 . "$(dirname "$0")/gpu_steps.sh"   # log, left, run
 serve_model() {
@@ -102,7 +102,7 @@ import os, subprocess, sys, time
 t0 = time.time()
 code = r'''
 import os, sys, cupy as cp
-from kog_dist.bench import shape_config
+from kog_dist.shapes import shape_config
 from kog_dist.config import LaneformerConfig, load_config
 from kog_dist.tiny import TINY_DEFAULTS
 from workers.cuda import multirank as mr

@@ -3,7 +3,7 @@
 # through kog-worker + the control plane (generate, stream, session), and SIGTERM ends the server with 0.
 # From the repo root, with pyzmq wheels in .whl (../shared/tools/device-wheels.sh); logs under $OUT.
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-K="python3 -m kog_dist.cli"
+K="python3 -m kog_cli"
 $K checkpoint tiny /tmp/m --lanes 8 --layers 4 --heads 16 --kv-heads 8 --hidden 256 --ffn 512 --delay 2 --window 16 --window-layers 2
 $K generate --model /tmp/m --backend cpu --prompt-ids 1,5,9,40 -n 48 --json > ${OUT:-/tmp}/cpu.json
 $K generate --model /tmp/m --backend cuda --prompt-ids 1,5,9,40 -n 48 --json > ${OUT:-/tmp}/cuda.json

@@ -7,7 +7,7 @@ from kog_dist.tiny import write_tiny_checkpoint
 
 
 def kog(*args):
-    return subprocess.run([sys.executable, "-m", "kog_dist.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kog_cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_cpu_bench_json_and_table(tmp_path):
@@ -74,7 +74,7 @@ def test_bad_sizes_are_one_line_errors(tmp_path):
 def test_table_says_when_the_rows_ran_the_profile_build():
     """`kog bench --profile` compiles the clock marks into the kernel it measures: its table says so, a
     table without --profile does not."""
-    from kog_dist.bench import table
+    from kog_cli.bench import table
     rep = {"date": "2026-01-01", "device": "stand-in", "model": "tiny", "dtype": "F32", "copy_bandwidth_GBps": 100.0,
            "baselines": [],
            "monokernel": {"streamed_bytes_per_token": 1e6, "timing_marks": False,

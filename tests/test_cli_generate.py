@@ -15,7 +15,7 @@ from reference64 import Ref64
 
 
 def kog(*args, timeout=120, env=None):
-    return subprocess.run([sys.executable, "-m", "kog_dist.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kog_cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

@@ -12,7 +12,8 @@ import time
 import pytest
 import zmq
 
-from kog_dist.client import Client, ServerError, main
+from kog_cli.client_cli import main
+from kog_dist.client import Client, ServerError
 from kog_dist.coordinator import ControlError, Coordinator
 
 from test_control_helpers import REPO_ROOT, Reference, Server, load, tiny_model
@@ -121,7 +122,7 @@ def test_client_exported_lazily():
 
 
 def test_kog_client_dispatch(server):
-    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "client", "--connect", server.endpoint, "health",
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "client", "--connect", server.endpoint, "health",
                         "--json"], capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
     assert r.returncode == 0 and json.loads(r.stdout)["protocol"] == 1, r.stderr
 

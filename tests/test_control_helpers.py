@@ -93,7 +93,7 @@ class Reference:
 
     def ids(self, prompt_ids, max_new_tokens, stop_ids=(), **sampling):
         from kog_dist.sampling import SamplingParams
-        from workers.backend import RunCommand
+        from kog_dist.backend import RunCommand
         self.backend.free(0)
         cmd = RunCommand(slot=0, keep=0, append=list(prompt_ids), max_new_tokens=max_new_tokens,
                          sampling=SamplingParams(**sampling), stop_ids=tuple(stop_ids))

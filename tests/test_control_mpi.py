@@ -145,14 +145,14 @@ def test_generate_stream_and_cli_equal_reference(job, ref):
             assert c.generate(prompt_ids=PROMPT, max_new_tokens=20, **sampling).token_ids == want
             st = c.stream(prompt_ids=PROMPT, max_new_tokens=20, **sampling)
             assert [t for ch in st for t in ch["token_ids"]] == want == st.result.token_ids
-    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "client", "--connect", job.endpoint, "generate",
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "client", "--connect", job.endpoint, "generate",
                         "--prompt-ids", ",".join(map(str, PROMPT)), "-n", "12", "--temperature", "0.9",
                         "--top-k", "40", "--top-p", "0.95", "--seed", "77", "--json"],
                        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == ref.ids(PROMPT, 12, **SAMPLED)
     # a text prompt through the server equals `kog generate` in one process (same BOS rule)
-    got, want = (subprocess.run([sys.executable, "-m", "kog_dist.cli", *argv, "--prompt", "Hello", "-n", "10",
+    got, want = (subprocess.run([sys.executable, "-m", "kog_cli", *argv, "--prompt", "Hello", "-n", "10",
                                  "--json"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT) for argv in
                  (["client", "--connect", job.endpoint, "generate"], ["generate", "--model", ref.model_dir,
                                                                       "--backend", "cpu"]))
@@ -166,7 +166,7 @@ def test_run_script_on_the_ranks(job, ref, tmp_path):
     script.write_text('{"op": "append", "prompt_ids": [1, 5, 9]}\n{"op": "generate", "max_new_tokens": 6}\n'
                       '{"op": "append", "prompt_ids": [44]}\n{"op": "generate", "max_new_tokens": 6, "seed": 4, '
                       '"temperature": 0.8}\n')
-    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "client", "--connect", job.endpoint, "run", str(script),
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "client", "--connect", job.endpoint, "run", str(script),
                         "--json"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)

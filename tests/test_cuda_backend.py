@@ -90,7 +90,7 @@ def _backend(model_dir, **kw):
 
 
 def _cmd(**kw):
-    from workers.backend import RunCommand
+    from kog_dist.backend import RunCommand
     return RunCommand(**kw)
 
 
@@ -255,7 +255,7 @@ def test_fp16_tiny_logits(tmp_path):
 
 
 def test_2b_shape_bf16_logits_against_float32():
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from workers.cuda.backend import CudaBackend
     from workers.cuda.build import build
     from workers.cuda.refcheck import CupyReference

@@ -48,7 +48,7 @@ def test_monokernel_builds_with_and_without_timing_marks(tmp_path):
 def test_timing_marks_only_in_the_profile_build():
     """The decode build leaves the clock marks out (measured faster) and passes Params by value, for any rank
     count; marks=True (kog bench --profile) compiles them in; a define wins."""
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from workers.cuda.build import defines
     big = shape_config("2b")
     for n in (1, 2):
@@ -67,7 +67,7 @@ def test_inlined_source_has_no_includes():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_smem_bytes_mirrors_the_kernel(tmp_path):
     """build.smem_bytes (the one-line refusal of too-wide models) equals the kernel's SM_FLOATS * 4."""
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from kog_dist.config import LaneformerConfig
     from kog_dist.tiny import TINY_DEFAULTS
     from workers.cuda.build import check_shape, defines, smem_bytes
@@ -95,7 +95,7 @@ def test_smem_bytes_mirrors_the_kernel(tmp_path):
 def test_lane_skew_only_where_measured():
     """CFG_SKEW_NS defaults to the measured delays (2B on H200s: 10 us for one rank, 30 us for two) and to
     none for small models, single-lane ranks and unmeasured rank counts; an explicit define wins."""
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from kog_dist.config import LaneformerConfig
     from kog_dist.tiny import TINY_DEFAULTS
     from workers.cuda.build import defines
@@ -112,7 +112,7 @@ def test_lane_skew_only_where_measured():
 def test_prefetch_follows_the_rank_count():
     """CFG_PF defaults to the measured bytes (64 KB for one rank, 32 KB for two: a rank's phases are 1/N of
     the model's) and stays at 64 KB for the unmeasured rank counts; an explicit prefetch or define wins."""
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from workers.cuda.build import defines
     big = shape_config("2b")
     assert {n: defines(big, "BF16", 128, nranks=n)["CFG_PF"] for n in (1, 2, 4, 8)} == \
@@ -124,7 +124,7 @@ def test_prefetch_follows_the_rank_count():
 def test_qkv_loads_in_flight_follow_the_rank_count():
     """CFG_UB_QKV is 24 (one round trip a QKV unit) where it was measured, one and two ranks; four and
     eight keep the 12 of the other phases; a define wins."""
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from workers.cuda.build import defines
     big = shape_config("2b")
     assert {n: defines(big, "BF16", 128, nranks=n)["CFG_UB_QKV"] for n in (1, 2, 4, 8)} == \
@@ -137,7 +137,7 @@ def test_qkv_loads_in_flight_follow_the_rank_count():
 def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
     """backend.counter_lines (the hang report) finds the phase counters, the ticket, the token word and the
     cancel word where mk_layout.cuh puts them, and decodes the token word {n + 1, stop, token}."""
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     from workers.cuda.backend import counter_lines
     from workers.cuda.build import defines
     prog = tmp_path / "ctr.cu"

@@ -271,7 +271,7 @@ def test_ll_depth_is_enough_and_a_short_ring_breaks(name, nranks):
 # ---- slot sizes and the prefill gathers -------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_slot_sizes_2b(n):
-    from kog_dist.bench import shape_config
+    from kog_dist.shapes import shape_config
     cfg = shape_config("2b")
     kw = mr.comm_kwargs(cfg, n)
     assert kw["tags"] == ("attn", "mlp", "final") and kw["depth"] >= cfg.broadcast_delay + 1
@@ -365,7 +365,7 @@ from mpi4py import MPI
 from kccl import Communicator
 from kog_dist.config import load_config
 from kog_dist.sampling import SamplingParams
-from workers.backend import RunCommand
+from kog_dist.backend import RunCommand
 from workers.cuda.backend import CudaBackend
 from workers.cuda.multirank import comm_kwargs
 world = MPI.COMM_WORLD
@@ -392,7 +392,7 @@ import os, signal, sys, time
 import cupy as cp
 from kccl import Communicator, FileRendezvous, KcclTimeout, PeerLost
 from kog_dist.config import load_config
-from workers.backend import RunCommand
+from kog_dist.backend import RunCommand
 from workers.cuda.backend import CudaBackend
 from workers.cuda.multirank import comm_kwargs
 rank, size = int(os.environ["KCCL_RANK"]), int(os.environ["KCCL_SIZE"])
@@ -467,7 +467,7 @@ def tiny_l8(tmp_path_factory):
 
 def _one_rank(model):
     from kog_dist.sampling import SamplingParams
-    from workers.backend import RunCommand
+    from kog_dist.backend import RunCommand
     from workers.cuda.backend import CudaBackend
     b = CudaBackend(model, max_seq=512, num_slots=2, progress=False)
     r1 = b.run(RunCommand(append=PROMPT, max_new_tokens=GEN), ignore_eos=True)
@@ -540,7 +540,7 @@ def test_generate_np2_gives_the_one_rank_ids(tiny_l8, one_rank_ids):
     n = 64
     want = one_rank_ids[0][:n]
     for attempt in range(2):
-        r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "generate", "--np", "2", "--backend", "cuda",
+        r = subprocess.run([sys.executable, "-m", "kog_cli", "generate", "--np", "2", "--backend", "cuda",
                             "--model", tiny_l8, "--prompt-ids", ",".join(map(str, PROMPT)), "-n", str(n),
                             "--json"], capture_output=True, text=True, timeout=120, env=mpi_env())
         assert r.returncode == 0, f"attempt {attempt}: {r.stderr[-3000:]}"

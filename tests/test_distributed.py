@@ -13,7 +13,7 @@ import pytest
 from kog_dist.checkpoint import Model
 from kog_dist.sampling import SamplingParams
 from kog_dist.tiny import write_tiny_checkpoint
-from workers.backend import RunCommand
+from kog_dist.backend import RunCommand
 from workers.cpu_backend import CpuBackend
 
 from mpi_helpers import REPO_ROOT, mpi_env, run_mpi
@@ -38,7 +38,7 @@ def one_process(d, n=64, sampling=SamplingParams()):
 
 
 def kog_np(d, n, *extra, timeout=120):
-    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "generate", "--np", str(n), "--model", d,
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "generate", "--np", str(n), "--model", d,
                         "--prompt-ids", ",".join(map(str, PROMPT)), "--json", *extra],
                        capture_output=True, text=True, timeout=timeout, env=mpi_env())
     assert r.returncode == 0, r.stderr
@@ -113,7 +113,7 @@ def test_logits_agree_and_each_rank_holds_its_share(tmp_path, nranks):
 def test_ranks_not_dividing_lanes_refused_before_loading(tmp_path):
     d = str(tmp_path / "m")
     write_tiny_checkpoint(d, **SHAPE)
-    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "generate", "--np", "3", "--model", d],
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "generate", "--np", "3", "--model", d],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "3 ranks do not divide num_lanes=8" in r.stderr
     # and the worker itself, started by hand under mpiexec, says the same on every rank
@@ -133,7 +133,7 @@ def test_killed_rank_ends_the_job_cleanly(tmp_path):
     big = dict(SHAPE, hidden_size=256, intermediate_size=1024, num_hidden_layers=6)
     write_tiny_checkpoint(d, **big)
     before = shm_entries()
-    p = subprocess.Popen([sys.executable, "-m", "kog_dist.cli", "generate", "--np", "4", "--model", d,
+    p = subprocess.Popen([sys.executable, "-m", "kog_cli", "generate", "--np", "4", "--model", d,
                           "--prompt-ids", "1,2,3", "-n", "100000", "--max-seq", "100000", "--json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(),
                          start_new_session=True)

@@ -8,7 +8,7 @@ from kog_dist.checkpoint import Model
 from kog_dist.engine import ReferenceEngine
 from kog_dist.sampling import SamplingParams
 from kog_dist.tiny import write_tiny_checkpoint
-from workers.backend import RunCommand
+from kog_dist.backend import RunCommand
 from workers.cpu_backend import CpuBackend
 
 from reference64 import Ref64

@@ -893,7 +893,7 @@ def test_backend_reports_peer_lost_when_the_kernel_faulted(ctx, tmp_path):
     never completes; a new stream raises cudaErrorIllegalAddress. The decode loop raises PeerLost
     naming the peer within a second (not the 20 s hang bound and a raw CUDA error), keeps the launch's
     events (destroying them would print tracebacks) and close() frees nothing."""
-    from workers.backend import Clock, RunResult
+    from kog_dist.backend import Clock, RunResult
     from workers.cuda import backend as B
     from kog_dist.sampling import SamplingParams
 

@@ -281,7 +281,7 @@ def test_endpoint_file_written_when_listening_and_removed_at_exit(tmp_path):
 def test_kog_launch_subcommand(tmp_path):
     # `kog launch` reaches launch.cli.main through the kog CLI.
     d = fake_bin(tmp_path, mpiexec=HYDRA_VERSION)
-    p = subprocess.run([sys.executable, "-c", "import sys; from kog_dist.cli import main; "
+    p = subprocess.run([sys.executable, "-c", "import sys; from kog_cli.cli import main; "
                         "sys.exit(main())", "launch", "--np", "3", "--dry-run", "--"] + WORKER,
                        cwd=REPO, env=clean_env(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, timeout=60)

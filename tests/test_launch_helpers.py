@@ -6,7 +6,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KOG = [sys.executable, "-c", "import sys; from kog_dist.cli import main; sys.exit(main())"]
+KOG = [sys.executable, "-c", "import sys; from kog_cli.cli import main; sys.exit(main())"]
 PROMPT = [1, 5, 9, 42, 7]
 NEW_TOKENS = 8
 

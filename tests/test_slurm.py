@@ -129,7 +129,7 @@ def test_serve_sbatch_ranks_not_dividing_lanes_fail_fast(tmp_path, model):
         kill_all(model_dir)
 
 
-# What `kog bench --json` prints (the shape kog_dist.bench.table formats), for a stand-in `kog`.
+# What `kog bench --json` prints (the shape kog_cli.bench.table formats), for a stand-in `kog`.
 FAKE_REPORT = {
     "date": "2026-01-01", "device": "stand-in", "sms": 1, "model": "tiny", "dtype": "F32",
     "copy_bandwidth_GBps": 100.0,

@@ -31,7 +31,7 @@ def test_tokenizer_json_is_used(tmp_path):
     ids = tok.encode("hello world")
     assert ids[0] == 0 and tk.decode(ids[1:]) == "hello world"
     assert len(ids) < 1 + len("hello world")             # real merges, not bytes
-    r = subprocess.run([sys.executable, "-m", "kog_dist.cli", "generate", "--model", d, "--prompt",
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "generate", "--model", d, "--prompt",
                         "the cat", "-n", "4", "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

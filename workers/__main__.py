@@ -203,7 +203,7 @@ def _serve(a, model, cfg, backend, comm) -> int:
 
 def _oneshot(a, model, cfg, backend, comm, kind) -> int:
     from kog_dist.tokenizer import load_tokenizer
-    from .oneshot import build_request, result_json
+    from .oneshot import build_request, emit, result_json
     from .rank import RankGroup, follow
     req = argparse.Namespace(**json.loads(a.oneshot))
     req.max_seq = req.max_seq or a.max_seq
@@ -217,7 +217,6 @@ def _oneshot(a, model, cfg, backend, comm, kind) -> int:
     finally:
         group.close()
     out = result_json(ids, res, tok, kind, comm.size, model)
-    from kog_dist.cli import emit
     emit(out, req.json)
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from kog_dist.engine import ReferenceEngine
 from kog_dist.sampling import sample
 
-from .backend import Backend, Clock, RunCommand, RunResult, check_command
+from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
 
 class CpuBackend(Backend):

@@ -1,24 +1,16 @@
-"""`kog generate`: one request, in this process or through N ranks under mpiexec, printed as text or JSON."""
+"""One request as `kog generate` gives it: the command built from its arguments (here, so that the
+rank program's --oneshot mode builds exactly the same one) and the result printed as text or JSON."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 
-from kog_dist.config import load_config
+from kog_dist.backend import RunCommand
 from kog_dist.sampling import SamplingParams
-from kog_dist.tokenizer import load_tokenizer
-
-from .backend import RunCommand
-from .factory import make_backend, resolve
 
 
 def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
-    from kog_dist.cli import parse_ids
-    ids = parse_ids(a.prompt_ids) if a.prompt_ids is not None else tok.encode(a.prompt)
+    ids = list(a.prompt_ids) if a.prompt_ids is not None else tok.encode(a.prompt)
     if not ids:
         raise ValueError("empty prompt: give at least one token")
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
@@ -31,7 +23,7 @@ def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
     if a.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
     cmd = RunCommand(slot=0, keep=0, append=ids, max_new_tokens=a.max_new_tokens, sampling=sp,
-                     stop_ids=tuple(parse_ids(a.stop_ids, "--stop-ids")))
+                     stop_ids=tuple(a.stop_ids))
     return ids, cmd
 
 
@@ -40,82 +32,13 @@ def result_json(ids, res, tok, backend: str, ranks: int, model_dir: str) -> dict
             "stats": res.stats(), "backend": backend, "ranks": ranks, "model": model_dir}
 
 
-def generate_one_process(a) -> dict:
-    cfg = load_config(a.model)
-    tok = load_tokenizer(a.model, cfg)
-    ids, cmd = build_request(a, cfg, tok)        # refuse bad input before any weight is read
-    kind = resolve(a.backend)
-    backend, cfg = make_backend(kind, a.model, max_seq=a.max_seq, num_slots=1)
-    stream = not a.json and sys.stdout.isatty()
-    try:
-        res = backend.run(cmd, _streamer(tok) if stream else None)
-    finally:
-        backend.close()
-    out = result_json(ids, res, tok, kind, 1, a.model)
-    out["streamed"] = stream
-    return out
-
-
-def _streamer(tok):
-    seen = []
-
-    def on_token(t):
-        before = tok.decode(seen)
-        seen.append(t)
-        sys.stdout.write(tok.decode(seen)[len(before):])
-        sys.stdout.flush()
-        return True
-    return on_token
-
-
-def run_under_mpiexec(a) -> int:
-    """`kog generate --np N`: the same request through N ranks; rank 0 prints the result."""
-    cfg = load_config(a.model)
-    tok = load_tokenizer(a.model, cfg)
-    build_request(a, cfg, tok)                    # bad input fails here, before any rank starts
-    cfg.lanes_of_rank(0, a.nranks)                # and so does a rank count that does not divide L
-    req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
-                                      "top_p", "seed", "stop_ids", "max_seq", "json")}
-    from launch.cli import LaunchError, build_command, detect
-    try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
-        cmd = build_command(detect(), a.nranks, [
-            sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
-            "--bind", "none", "--oneshot", json.dumps(req)])
-    except LaunchError as e:
-        raise ValueError(f"--np needs an MPI launcher: {e}") from None
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc), sys.exit(143)))
-    try:
-        rc = proc.wait()
-        if rc != 0:
-            how = f"killed by {signal.Signals(rc).name}" if 0 < rc < 32 and rc not in (1, 2) else f"exit {rc}"
-            print(f"kog: error: the {a.nranks}-rank job failed ({how}): a rank died or was killed, "
-                  f"and mpiexec ended the others", file=sys.stderr)
-        return rc
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        _kill_group(proc)
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: mpiexec gets SIGTERM if `kog generate` itself is killed."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the explicit kill paths still apply
-        pass
-
-
-def _kill_group(proc) -> None:
-    if proc.poll() is None:
-        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            t = time.time() + wait
-            while proc.poll() is None and time.time() < t:
-                time.sleep(0.05)
+def emit(out: dict, as_json: bool) -> None:
+    streamed = out.pop("streamed", False)
+    if as_json:
+        print(json.dumps(out))
+        return
+    s = out["stats"]
+    print("" if streamed else out["text"])
+    print(f"\n[{out['backend']} x{out['ranks']}] prompt {out['prompt_tokens']} tokens, prefill "
+          f"{s['prefill_ms']:.1f} ms, {s['new_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tok/s "
+          f"(stop: {s['stop_reason']})", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from .backend import RunCommand, RunResult
+from kog_dist.backend import RunCommand, RunResult, check_command
 
 OP_RUN, OP_FREE, OP_EXIT = "run", "free", "exit"
 
@@ -59,7 +59,6 @@ class RankGroup:
         self.closed = False
 
     def run(self, cmd: RunCommand, on_token=None) -> RunResult:
-        from .backend import check_command
         # Refuse here, before the followers hear of it, so a bad request cannot desynchronise them.
         check_command(cmd, self.backend.cached(cmd.slot), self.backend.cfg.vocab_size, self.max_seq,
                       self.num_slots)

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ..backend import Backend, Clock, RunCommand, RunResult, check_command
+from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
 REASONS = {1: "eos", 2: "stop", 3: "length", 4: "cancel"}
 N_PARAMS = 64

@@ -39,7 +39,7 @@ def smem_bytes(slots: int, size: int) -> int:
 
 def run(sms: list[int], mb: float, repeats: int) -> dict:
     import cupy as cp
-    from kog_dist.bench import cupy_copy_bandwidth, device_name
+    from .device import cupy_copy_bandwidth, device_name
     nsm = cp.cuda.Device().attributes["MultiProcessorCount"]
     sms = sorted({min(max(1, s), nsm) for s in sms})
     upb = max(16, int(mb * 2 ** 20) // UNIT_BYTES)

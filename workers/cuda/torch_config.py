@@ -15,6 +15,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from kog_dist.shapes import SHAPES
+
 __all__ = [
     "SHAPE_2B",
     "ModelShape",
@@ -27,28 +29,8 @@ __all__ = [
 # Config
 
 #: The published Laneformer 2B dimensions (spec: "The 2B checkpoint").
-SHAPE_2B: dict = {
-    "model_type": "laneformer_tp",
-    "hidden_size": 3072,
-    "num_hidden_layers": 15,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 16,
-    "intermediate_size": 12288,
-    "vocab_size": 32000,
-    "num_lanes": 8,
-    "broadcast_delay": 2,
-    "use_comm": True,
-    "use_early_comm": True,
-    "early_layers_to_future": True,
-    "rope_theta": 10000.0,
-    "norm_eps": 1e-5,
-    "sliding_window": 2048,
-    "sliding_window_n_layers": 10,
-    "lm_head_type": "replicate",
-    "replicated_rmsn_scale": True,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
+#: The published 2B dimensions, from kog_dist.shapes (the one definition).
+SHAPE_2B: dict = {k: v for k, v in SHAPES["2b"].items() if k not in ("bos_token_id", "eos_token_id")}
 
 _DEFAULTS = {
     "hidden_size": 4096,

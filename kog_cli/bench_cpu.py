@@ -26,7 +26,7 @@ def run(args, say) -> dict:
     from kog_dist.checkpoint import expected_tensors
     from kog_dist.config import load_config
     from kog_dist.sampling import SamplingParams
-    from workers.backend import RunCommand
+    from kog_dist.backend import RunCommand
     from workers.factory import make_backend
 
     cfg = load_config(args.model)

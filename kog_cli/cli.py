@@ -9,11 +9,18 @@ import math
 import os
 import sys
 
+from kog_dist.checkpoint import CheckpointError, expected_tensors
+from kog_dist.config import ConfigError
+from kog_dist.tiny import default_model_dir, write_tiny_checkpoint
+from workers.oneshot import emit
+
+from .generate import generate_one_process, run_under_mpiexec
+
 SUBCOMMANDS = {  # name -> (module, one-line help)
     "generate": (None, "decode one prompt (one process, or --np N ranks under mpiexec)"),
     "checkpoint": (None, "write test checkpoints (kog checkpoint tiny DIR ...)"),
-    "bench": ("kog_dist.bench", "llama-bench style speed table (prefill, decode, GB/s, baselines)"),
-    "client": ("kog_dist.client_cli", "talk to a running server: generate, health, stats, run SCRIPT.jsonl"),
+    "bench": ("kog_cli.bench", "llama-bench style speed table (prefill, decode, GB/s, baselines)"),
+    "client": ("kog_cli.client_cli", "talk to a running server: generate, health, stats, run SCRIPT.jsonl"),
     "serve": ("workers.__main__", "run a rank (same as kog-worker; start it under mpiexec for several)"),
     "topo": ("topology.cli", "machine topology report and rank placement plan"),
     "launch": ("launch.cli", "start ranks with the launcher that is present (mpiexec, mpirun, srun)"),
@@ -72,30 +79,17 @@ def cmd_generate(argv) -> int:
     if a.nranks < 1:
         raise UsageError("--np must be >= 1")
     if a.model is None:
-        from .tiny import default_model_dir
         a.model = default_model_dir()
         if not a.json:
             print(f"kog: no --model given: using the built-in tiny model ({a.model}), random weights, "
                   f"so the text is noise", file=sys.stderr)
+    a.prompt_ids = parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
+    a.stop_ids = parse_ids(a.stop_ids, "--stop-ids")
     if a.nranks > 1:
-        from workers.oneshot import run_under_mpiexec
         return run_under_mpiexec(a)
-    from workers.oneshot import generate_one_process
     out = generate_one_process(a)
     emit(out, a.json)
     return 0
-
-
-def emit(out: dict, as_json: bool) -> None:
-    streamed = out.pop("streamed", False)
-    if as_json:
-        print(json.dumps(out))
-        return
-    s = out["stats"]
-    print("" if streamed else out["text"])
-    print(f"\n[{out['backend']} x{out['ranks']}] prompt {out['prompt_tokens']} tokens, prefill "
-          f"{s['prefill_ms']:.1f} ms, {s['new_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tok/s "
-          f"(stop: {s['stop_reason']})", file=sys.stderr)
 
 
 # -- kog checkpoint tiny ------------------------------------------------------------------------------
@@ -120,8 +114,6 @@ def cmd_checkpoint(argv) -> int:
     a = vars(p.parse_args(argv))
     a.pop("kind")
     out, dtype, shards, seed = a.pop("dir"), a.pop("dtype"), a.pop("shards"), a.pop("seed")
-    from .checkpoint import expected_tensors
-    from .tiny import write_tiny_checkpoint
     cfg = write_tiny_checkpoint(out, dtype=dtype, shards=shards, seed=seed,
                                 **{k: v for k, v in a.items() if v is not None})
     nparams = sum(math.prod(s) for s in expected_tensors(cfg).values())
@@ -146,8 +138,6 @@ def main(argv=None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         return fail(f"unknown command {name!r}; commands: {', '.join(SUBCOMMANDS)}")
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
     try:
         if name == "generate":
             return cmd_generate(rest)

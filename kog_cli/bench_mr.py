@@ -15,12 +15,12 @@ IN_MPI = "--in-mpi-rank"     # hidden flag of the ranks' command line
 
 
 def launch(argv: list[str], nranks: int) -> int:
-    """From `kog bench --np N ...`: start N ranks of `python -m kog_dist.bench ... --in-mpi-rank`."""
+    """From `kog bench --np N ...`: start N ranks of `python -m kog_cli.bench ... --in-mpi-rank`."""
     import subprocess
 
     from launch.cli import LaunchError, build_command, detect
     try:
-        cmd = build_command(detect(), nranks, [sys.executable, "-m", "kog_dist.bench", *argv, IN_MPI])
+        cmd = build_command(detect(), nranks, [sys.executable, "-m", "kog_cli.bench", *argv, IN_MPI])
     except LaunchError as e:
         print(f"kog bench: error: --np needs an MPI launcher: {e}", file=sys.stderr)
         return 2
@@ -38,8 +38,9 @@ def run_rank(args, say, emit) -> int:
 
     from kccl import Communicator
     from kccl.mpi_plain import allgather_json, forbid_pickle
-    from kog_dist.bench import (STORAGE, _commit, cupy_copy_bandwidth, device_name, finish_rows, measure,
-                                shape_config)
+    from kog_cli.bench import STORAGE, _commit, finish_rows, measure
+    from kog_dist.shapes import shape_config
+    from workers.cuda.device import cupy_copy_bandwidth, device_name
     from kog_dist.config import load_config
     from workers.cuda import multirank as mr
     from workers.cuda.backend import CudaBackend

@@ -18,28 +18,12 @@ import statistics
 import sys
 import time
 
+from kog_dist.shapes import SHAPES, shape_config
+from workers.cuda.device import cupy_copy_bandwidth, device_name
+
 
 def _say(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def cupy_copy_bandwidth(nbytes: int = 2 ** 31, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth through CuPy (bytes read + written per second)."""
-    import cupy as cp
-    a = cp.ones(nbytes, dtype=cp.uint8)
-    b = cp.empty_like(a)
-    for _ in range(2):
-        b[...] = a
-    times = []
-    for _ in range(repeats):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, cp.cuda.get_current_stream().ptr)
-        e1.record()
-        e1.synchronize()
-        times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
-    del a, b
-    return 2.0 * nbytes / statistics.median(times)
 
 
 def _commit() -> str:
@@ -60,12 +44,6 @@ def _commit() -> str:
 STORAGE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}   # --dtype -> the backend's storage type
 
 
-def device_name(dev_id: int) -> str:
-    import cupy as cp
-    name = cp.cuda.runtime.getDeviceProperties(dev_id)["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
 def finish_rows(mk: dict, bw: float) -> None:
     """The decode rows' fraction of the copy bandwidth `bw` (bytes/s, measured in the same run) and the
     long-context slowdown, from the rows' GB_per_s."""
@@ -76,16 +54,6 @@ def finish_rows(mk: dict, bw: float) -> None:
         mk["ctx_slowdown"] = 1.0 - mk["tg_ctx"]["tokens_per_s"] / mk["tg"]["tokens_per_s"]
 
 
-def shape_config(name: str):
-    from kog_dist.config import LaneformerConfig
-    if name != "2b":
-        raise ValueError(f"unknown shape {name!r} (known: 2b)")
-    from workers.cuda.torch_baseline import SHAPE_2B
-    d = dict(SHAPE_2B)
-    d.update(bos_token_id=1, eos_token_id=2)
-    return LaneformerConfig.from_dict(d)
-
-
 def _ids(rng, n, V):
     return [int(x) for x in rng.integers(3, V, n)]
 
@@ -94,7 +62,7 @@ def measure(backend, args, log=_say) -> dict:
     """The monokernel rows. Returns a dict of measurements."""
     import numpy as np
     from kog_dist.sampling import SamplingParams
-    from workers.backend import RunCommand
+    from kog_dist.backend import RunCommand
     from workers.cuda.weights import streamed_bytes
     cfg = backend.cfg
     V = cfg.vocab_size
@@ -156,7 +124,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kog bench", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--shape", help="published shape with random weights made on the device (2b)")
+    src.add_argument("--shape", help=f"a named shape with random weights made on the device ({', '.join(SHAPES)})")
     ap.add_argument("--dtype", default="bf16", choices=tuple(STORAGE), help="storage type for --shape")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
     ap.add_argument("--pp", type=int, default=1024, help="prompt tokens for the prefill / TTFT row")

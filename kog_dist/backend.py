@@ -1,5 +1,5 @@
-"""The interface every backend of a rank implements (cpu: numpy; cuda: the monokernel), and the
-decode loop rules they share. docs/interfaces.md says the same in prose."""
+"""The backend contract (core): what the coordinator asks of a rank's compute (cpu: numpy; cuda: the
+monokernel, both in workers/), and the decode loop rules they share. docs/interfaces.md says the same in prose."""
 from __future__ import annotations
 
 import time

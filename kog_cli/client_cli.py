@@ -8,10 +8,10 @@ import sys
 
 import zmq
 
-from . import protocol as P
+from kog_dist import protocol as P
 from .cli import UsageError, _Parser
 from .cli import parse_ids as _ids
-from .client import DEFAULT_ENDPOINT, Client, ClientTimeout, GenerateResult, ServerError
+from kog_dist.client import DEFAULT_ENDPOINT, Client, ClientTimeout, GenerateResult, ServerError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,95 @@
+"""`kog generate`: one request, in this process or through N ranks under mpiexec."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kog_dist.config import load_config
+from kog_dist.tokenizer import load_tokenizer
+from launch.cli import LaunchError, build_command, detect
+from workers.factory import make_backend, resolve
+from workers.oneshot import build_request, result_json
+
+
+def generate_one_process(a) -> dict:
+    cfg = load_config(a.model)
+    tok = load_tokenizer(a.model, cfg)
+    ids, cmd = build_request(a, cfg, tok)        # refuse bad input before any weight is read
+    kind = resolve(a.backend)
+    backend, cfg = make_backend(kind, a.model, max_seq=a.max_seq, num_slots=1)
+    stream = not a.json and sys.stdout.isatty()
+    try:
+        res = backend.run(cmd, _streamer(tok) if stream else None)
+    finally:
+        backend.close()
+    out = result_json(ids, res, tok, kind, 1, a.model)
+    out["streamed"] = stream
+    return out
+
+
+def _streamer(tok):
+    seen = []
+
+    def on_token(t):
+        before = tok.decode(seen)
+        seen.append(t)
+        sys.stdout.write(tok.decode(seen)[len(before):])
+        sys.stdout.flush()
+        return True
+    return on_token
+
+
+def run_under_mpiexec(a) -> int:
+    """`kog generate --np N`: the same request through N ranks; rank 0 prints the result."""
+    cfg = load_config(a.model)
+    tok = load_tokenizer(a.model, cfg)
+    build_request(a, cfg, tok)                    # bad input fails here, before any rank starts
+    cfg.lanes_of_rank(0, a.nranks)                # and so does a rank count that does not divide L
+    req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
+                                      "top_p", "seed", "stop_ids", "max_seq", "json")}
+    try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
+        cmd = build_command(detect(), a.nranks, [
+            sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
+            "--bind", "none", "--oneshot", json.dumps(req)])
+    except LaunchError as e:
+        raise ValueError(f"--np needs an MPI launcher: {e}") from None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc), sys.exit(143)))
+    try:
+        rc = proc.wait()
+        if rc != 0:
+            how = f"killed by {signal.Signals(rc).name}" if 0 < rc < 32 and rc not in (1, 2) else f"exit {rc}"
+            print(f"kog: error: the {a.nranks}-rank job failed ({how}): a rank died or was killed, "
+                  f"and mpiexec ended the others", file=sys.stderr)
+        return rc
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _kill_group(proc)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: mpiexec gets SIGTERM if `kog generate` itself is killed."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the explicit kill paths still apply
+        pass
+
+
+def _kill_group(proc) -> None:
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            t = time.time() + wait
+            while proc.poll() is None and time.time() < t:
+                time.sleep(0.05)

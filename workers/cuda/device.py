@@ -1,0 +1,30 @@
+"""Facts of the local GPU measured or read through CuPy: the copy bandwidth every benchmark is held
+against, and the device's name."""
+from __future__ import annotations
+
+import statistics
+
+
+def cupy_copy_bandwidth(nbytes: int = 2 ** 31, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth through CuPy (bytes read + written per second)."""
+    import cupy as cp
+    a = cp.ones(nbytes, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    for _ in range(2):
+        b[...] = a
+    times = []
+    for _ in range(repeats):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, cp.cuda.get_current_stream().ptr)
+        e1.record()
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    del a, b
+    return 2.0 * nbytes / statistics.median(times)
+
+
+def device_name(dev_id: int) -> str:
+    import cupy as cp
+    name = cp.cuda.runtime.getDeviceProperties(dev_id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
