@@ -27,7 +27,8 @@ class CheckpointError(ValueError):
 
 # -- names and shapes -------------------------------------------------------------------------------
 LANE_TENSORS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+                "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
+                "attention.bq", "attention.bk", "attention.bv")
 
 
 def expected_tensors(cfg: LaneformerConfig) -> dict[str, tuple[int, ...]]:
@@ -45,6 +46,10 @@ def expected_tensors(cfg: LaneformerConfig) -> dict[str, tuple[int, ...]]:
         out[p + "attention.wk.weight"] = (L, kv, D)
         out[p + "attention.wv.weight"] = (L, kv, D)
         out[p + "attention.wo.weight"] = (L, D, q)
+        if cfg.attention_bias:
+            out[p + "attention.bq.bias"] = (L, q)
+            out[p + "attention.bk.bias"] = (L, kv)
+            out[p + "attention.bv.bias"] = (L, kv)
         out[p + "feed_forward.w1.weight"] = (L, f, D)
         out[p + "feed_forward.w3.weight"] = (L, f, D)
         out[p + "feed_forward.w2.weight"] = (L, D, f)
@@ -105,13 +110,27 @@ class _File:
 
 
 class CheckpointReader:
-    """Opens a checkpoint, checks every expected tensor, then serves lane slices on demand."""
+    """Opens a checkpoint, checks every expected tensor, then serves lane slices on demand.
+
+    It is also the tensor source of a Laneformer directory (kog_dist.formats.open_model's "laneformer"
+    kind): the same attributes and methods as the HF and GGUF sources."""
+
+    kind = "laneformer"
+    gguf_fields: dict = {}
 
     def __init__(self, model_dir: str, cfg: LaneformerConfig | None = None):
         if not os.path.isdir(model_dir):
             raise CheckpointError(f"model directory {model_dir} does not exist")
         self.dir = model_dir
-        self.cfg = cfg or load_config(model_dir)
+        self.path = os.path.abspath(model_dir)
+        self.model_dir = self.path
+        self.name = os.path.basename(self.path.rstrip(os.sep)) or self.path
+        self.gguf_fields = {}
+        self._closed = False
+        try:
+            self.cfg = cfg or load_config(model_dir)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
         self.files: dict[str, _File] = {}
         self.where: dict[str, _File] = {}
         self.nbytes_read = 0
@@ -149,6 +168,18 @@ class CheckpointReader:
     def dtype(self, name: str) -> str:
         return self.where[name].header[name]["dtype"]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].header[name]["shape"])
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def names(self) -> list[str]:
+        return sorted(self.where)
+
+    def quant_type(self, name: str) -> str | None:
+        return None
+
     def raw(self, name: str, lanes: range | None = None, rows: np.ndarray | None = None):
         """The storage bits of a tensor (or of lanes [a, b) of a lane-first one, or some rows of a
         2-D one) and the dtype name. BF16 comes back as a uint16 view."""
@@ -170,8 +201,10 @@ class CheckpointReader:
         return to_float32(*self.raw(name, lanes, rows))
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        if not self._closed:
+            self._closed = True
+            for f in self.files.values():
+                f.close()
 
 
 def to_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -192,43 +225,53 @@ class Weights(dict):
     nbytes_stored: int = 0
 
 
-def load_weights(model_dir: str, lanes: range | None = None, progress: bool | None = None,
+def load_weights(src, lanes: range | None = None, progress: bool | None = None,
                  cfg: LaneformerConfig | None = None):
-    """Read the config and the (lane-sliced) weights as float32. Returns (cfg, Weights, reader).
-    The embedding table stays in the reader: rows are read on demand."""
-    try:
-        cfg = cfg or load_config(model_dir)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    reader = CheckpointReader(model_dir, cfg)
+    """Read the config and the (lane-sliced) weights as float32. `src` is a tensor source
+    (kog_dist.formats.open_model) or a path, opened here. Returns (cfg, Weights, source).
+    The embedding table stays in the source: rows are read on demand."""
+    if isinstance(src, (str, os.PathLike)):
+        if cfg is not None:
+            src = CheckpointReader(os.fspath(src), cfg)
+        else:
+            # formats builds on this module (its sources reuse the safetensors reader): imported here
+            # to keep the import one-way at module level.
+            from .formats import open_model
+            src = open_model(os.fspath(src), progress=progress)
+    cfg = src.cfg
     lanes = lanes if lanes is not None else range(cfg.num_lanes)
     names = [n for n in expected_tensors(cfg) if n != "model.tok_embeddings.weight"]
-    total = sum(_slice_bytes(reader, n, lanes, cfg) for n in names)
+    total = sum(_slice_bytes(src, n, lanes, cfg) for n in names)
+    if progress is None:
+        progress = getattr(src, "progress", None)
     if progress is None:
         progress = total > (256 << 20)
     w = Weights()
     w.lanes = lanes
     with Progress("loading weights", total, enabled=progress) as bar:
         for n in names:
-            a = reader.tensor(n, lanes)
+            a = src.tensor(n, lanes)
             if n.endswith("_norm.weight") or n == "model.norm.weight":
                 a = np.broadcast_to(a, (len(lanes), cfg.hidden_size)).copy()
             key = n.replace(".scale", ".weight")
             w[key] = a
             w.nbytes_stored += a.nbytes
-            bar.advance(_slice_bytes(reader, n, lanes, cfg))
+            bar.advance(_slice_bytes(src, n, lanes, cfg))
     if cfg.tie_word_embeddings:
-        w["lm_head.weight"] = reader.tensor("model.tok_embeddings.weight")
+        w["lm_head.weight"] = src.tensor("model.tok_embeddings.weight")
         w.nbytes_stored += w["lm_head.weight"].nbytes
-    return cfg, w, reader
+    return cfg, w, src
 
 
 class Model:
-    """What a rank needs of a checkpoint: config, its lanes' weights, embedding rows on demand."""
+    """What a rank needs of a checkpoint: config, its lanes' weights, embedding rows on demand.
+    `src`: a tensor source from kog_dist.formats.open_model, or a path (opened here). The Model owns
+    the source from then on: close() closes it."""
 
-    def __init__(self, model_dir: str, lanes: range | None = None, progress: bool | None = None):
-        self.dir = model_dir
-        self.cfg, self.weights, self.reader = load_weights(model_dir, lanes, progress)
+    def __init__(self, src, lanes: range | None = None, progress: bool | None = None):
+        self.cfg, self.weights, self.reader = load_weights(src, lanes, progress)
+        self.src = self.reader
+        self.dir = self.reader.model_dir
         self.lanes = self.weights.lanes
 
     def embed(self, ids) -> np.ndarray:
@@ -241,9 +284,8 @@ class Model:
         self.reader.close()
 
 
-def _slice_bytes(reader: CheckpointReader, name: str, lanes: range, cfg: LaneformerConfig) -> int:
-    meta = reader.where[name].header[name]
-    n = int(np.prod(meta["shape"])) * ITEMSIZE[meta["dtype"]]
+def _slice_bytes(src, name: str, lanes: range, cfg: LaneformerConfig) -> int:
+    n = int(np.prod(src.shape(name), dtype=np.int64)) * ITEMSIZE[src.dtype(name)]
     return n * len(lanes) // cfg.num_lanes if is_lane_first(name) else n
 
 

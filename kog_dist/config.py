@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -34,6 +35,10 @@ class LaneformerConfig:
     eos_token_id: int | list | None = None
     bos_token_id: int | list | None = None
     model_type: str = "laneformer_tp"
+    # Llama-family additions (spec, "Llama-family checkpoints"); the defaults keep a Laneformer as it was.
+    attention_bias: bool = False              # q/k/v biases [L, rows], added before RoPE
+    rope_scaling: dict | None = None          # {"rope_type": "llama3", ...} or {"rope_type": "factors", ...}
+    head_dim_override: int | None = None      # HF head_dim when it differs from D / H
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- derived shapes ------------------------------------------------------------------------
@@ -43,6 +48,8 @@ class LaneformerConfig:
 
     @property
     def head_dim(self) -> int:
+        if self.head_dim_override is not None:
+            return self.head_dim_override
         return self.hidden_size // self.num_attention_heads
 
     @property
@@ -96,7 +103,10 @@ class LaneformerConfig:
             raise ConfigError(f"num_key_value_heads must be a positive integer or null, "
                               f"got {self.num_key_value_heads!r}")
         H, KV, L = self.num_attention_heads, self.kv_heads, self.num_lanes
-        if self.hidden_size % H:
+        if self.head_dim_override is not None:
+            if not _is_int(self.head_dim_override) or self.head_dim_override <= 0:
+                raise ConfigError(f"head_dim must be a positive integer, got {self.head_dim_override!r}")
+        elif self.hidden_size % H:
             raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={H}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
@@ -119,7 +129,7 @@ class LaneformerConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"{name} must be a positive number, got {v!r}")
         for name in ("use_comm", "use_early_comm", "early_layers_to_future", "replicated_rmsn_scale",
-                     "tie_word_embeddings"):
+                     "tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("eos_token_id", "bos_token_id"):
@@ -129,6 +139,8 @@ class LaneformerConfig:
                 raise ConfigError(f"{name} must be an integer or a list of integers") from None
             if any(i < 0 or i >= self.vocab_size for i in ids):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is outside the vocabulary")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling, self.head_dim)
         return self
 
     # -- io ------------------------------------------------------------------------------------
@@ -186,9 +198,57 @@ def _int_tuple(v) -> tuple[int, ...]:
     raise TypeError("not an int or list of ints")
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_type(scaling: dict) -> str:
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def _check_rope_scaling(sc, hd: int) -> None:
+    if not isinstance(sc, dict):
+        raise ConfigError(f"rope_scaling must be an object or null, got {sc!r}")
+    kind = rope_type(sc)
+    if kind == "llama3":
+        for k in LLAMA3_KEYS:
+            v = sc.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"rope_scaling (llama3) needs a positive {k}, got {v!r}")
+        if not sc["high_freq_factor"] > sc["low_freq_factor"]:
+            raise ConfigError("rope_scaling (llama3) needs high_freq_factor > low_freq_factor")
+    elif kind == "factors":
+        # llama.cpp's form of the same scaling (a GGUF's rope_freqs.weight): inverse frequencies divided
+        # by one factor per pair.
+        f = sc.get("factors")
+        if (not isinstance(f, (list, tuple)) or len(f) != hd // 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f)):
+            raise ConfigError(f"rope_scaling (factors) needs {hd // 2} positive factors")
+    else:
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+
+
 def rope_inv_freq(cfg: LaneformerConfig):
-    """theta^(-2k/hd) for k in [0, hd/2): the angle per position of each interleaved pair."""
+    """theta^(-2k/hd) for k in [0, hd/2): the angle per position of each interleaved pair, with the
+    spec's llama3 rope_scaling applied when the config has it."""
     import numpy as np
     hd = cfg.head_dim
-    return np.array([cfg.rope_theta ** (-2.0 * k / hd) for k in range(hd // 2)], dtype=np.float64)
+    w = [cfg.rope_theta ** (-2.0 * k / hd) for k in range(hd // 2)]
+    sc = cfg.rope_scaling
+    if sc is not None and rope_type(sc) == "llama3":
+        f, a, b = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        M = float(sc["original_max_position_embeddings"])
+        out = []
+        for wk in w:
+            wavelength = 2.0 * math.pi / wk
+            if wavelength < M / b:
+                out.append(wk)
+            elif wavelength > M / a:
+                out.append(wk / f)
+            else:
+                s = (M / wavelength - a) / (b - a)
+                out.append((1.0 - s) * wk / f + s * wk)
+        w = out
+    elif sc is not None and rope_type(sc) == "factors":
+        w = [wk / float(fk) for wk, fk in zip(w, sc["factors"])]
+    return np.array(w, dtype=np.float64)
 

@@ -70,7 +70,7 @@ class ReferenceEngine:
         self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
         nl = len(self.lanes)
         self.caches = [KVCache(nl, cfg.kv_heads_per_lane, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
-        self.inv_freq = rope_inv_freq(cfg)
+        self.inv_freq = rope_inv_freq(cfg)                      # rope_scaling applied there
         self.pos = 0
         self.prefill_chunk = prefill_chunk   # tokens per forward pass (bounds the exchange payload)
 
@@ -149,9 +149,12 @@ class ReferenceEngine:
         p = f"model.layers.{i}.attention."
         nl, T, _ = n.shape
         hd, hl, kvl = cfg.head_dim, cfg.heads_per_lane, cfg.kv_heads_per_lane
-        q = _rope(matvec(n, w[p + "wq.weight"]).reshape(nl, T, hl, hd), cos, sin)
-        k = _rope(matvec(n, w[p + "wk.weight"]).reshape(nl, T, kvl, hd), cos, sin)
-        v = matvec(n, w[p + "wv.weight"]).reshape(nl, T, kvl, hd)
+        q, k, v = (matvec(n, w[p + f"w{x}.weight"]) for x in "qkv")
+        if cfg.attention_bias:                  # Qwen2: after the projection, before RoPE
+            q, k, v = (y + w[p + f"b{x}.bias"][:, None, :] for x, y in zip("qkv", (q, k, v)))
+        q = _rope(q.reshape(nl, T, hl, hd), cos, sin)
+        k = _rope(k.reshape(nl, T, kvl, hd), cos, sin)
+        v = v.reshape(nl, T, kvl, hd)
         c = self.caches[i]
         S = int(pos[-1]) + 1
         c.ensure(S)

@@ -1,0 +1,33 @@
+"""GGML tensor types: which ones load, and their exact float32 values (gguf's own dequantizer)."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as _dequantize
+
+# Served as they are stored (no conversion): GGML type -> the dtype name raw() reports.
+PLAIN = {GGMLQuantizationType.F32: "F32", GGMLQuantizationType.F16: "F16", GGMLQuantizationType.BF16: "BF16"}
+# Dequantized to float32 when read.
+QUANTIZED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+             GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+SUPPORTED_NAMES = tuple(t.name for t in (*PLAIN, *QUANTIZED))
+
+
+def supported(qtype: GGMLQuantizationType) -> bool:
+    return qtype in PLAIN or qtype in QUANTIZED
+
+
+def served_dtype(qtype: GGMLQuantizationType) -> str:
+    return PLAIN.get(qtype, "F32")
+
+
+def storage_bits(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A GGUF tensor's data (as gguf's reader gives it: typed for F32/F16, bytes otherwise) in the
+    form raw() serves: float32, float16, BF16 as uint16 bits, quantized types dequantized to float32."""
+    if qtype == GGMLQuantizationType.F32:
+        return np.asarray(data, dtype=np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        return np.asarray(data, dtype=np.float16)
+    if qtype == GGMLQuantizationType.BF16:
+        return np.ascontiguousarray(data).view(np.uint16)
+    return _dequantize(data, qtype)

@@ -1,0 +1,206 @@
+"""An independent Llama-family forward in plain numpy, computed the way Hugging Face's modeling code
+does (HF tensor names, rotate_half RoPE, HF's llama3 rope init, Qwen2 q/k/v biases, Mistral / Qwen2
+sliding windows, repeat_kv), in float64, reading HF tensors directly; and writers of tiny random HF
+directories and GGUF files for the format tests. Nothing here imports kog_dist."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+
+# -- the model ---------------------------------------------------------------------------------------
+
+
+def hf_inv_freq(c: dict) -> np.ndarray:
+    """transformers' _compute_default_rope_parameters / _compute_llama3_parameters."""
+    D, H = c["hidden_size"], c["num_attention_heads"]
+    dim = c.get("head_dim") or D // H
+    base = c.get("rope_theta", 10000.0)
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = c.get("rope_scaling")
+    if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
+        return inv_freq
+    assert rs["rope_type"] == "llama3"
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old / lo, old / hi
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def _rmsnorm(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _sliding_layers(c: dict) -> set[int]:
+    N = c["num_hidden_layers"]
+    if c["model_type"] == "mistral" and c.get("sliding_window"):
+        return set(range(N))
+    if c["model_type"] == "qwen2" and c.get("use_sliding_window") and c.get("sliding_window"):
+        return {i for i in range(N) if i >= c.get("max_window_layers", N)}
+    return set()
+
+
+class HFLlama:
+    """config.json dict + {HF name: array}; forward(ids) -> logits [T, V] (float64)."""
+
+    def __init__(self, c: dict, t: dict[str, np.ndarray]):
+        self.c = c
+        self.t = {k: np.asarray(v, dtype=np.float64) for k, v in t.items()}
+
+    def forward(self, ids) -> np.ndarray:
+        c, t = self.c, self.t
+        D, H = c["hidden_size"], c["num_attention_heads"]
+        KV = c.get("num_key_value_heads") or H
+        hd = c.get("head_dim") or D // H
+        eps = c.get("rms_norm_eps", 1e-6)
+        T = len(ids)
+        pos = np.arange(T, dtype=np.float64)
+        freqs = np.outer(pos, hf_inv_freq(c))
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        cos, sin = np.cos(emb)[None], np.sin(emb)[None]          # [1, T, hd]
+        h = t["model.embed_tokens.weight"][np.asarray(ids)]
+        sliding = _sliding_layers(c)
+        i_ = np.arange(T)[:, None]
+        j_ = np.arange(T)[None, :]
+        for L in range(c["num_hidden_layers"]):
+            p = f"model.layers.{L}."
+            x = _rmsnorm(h, t[p + "input_layernorm.weight"], eps)
+
+            def proj(n):
+                y = x @ t[p + f"self_attn.{n}.weight"].T
+                b = t.get(p + f"self_attn.{n}.bias")
+                return y if b is None else y + b
+            q = proj("q_proj").reshape(T, H, hd).transpose(1, 0, 2)
+            k = proj("k_proj").reshape(T, KV, hd).transpose(1, 0, 2)
+            v = proj("v_proj").reshape(T, KV, hd).transpose(1, 0, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k = np.repeat(k, H // KV, axis=0)                       # repeat_kv
+            v = np.repeat(v, H // KV, axis=0)
+            mask = j_ <= i_
+            if L in sliding:
+                mask &= j_ > i_ - c["sliding_window"]
+            s = q @ k.transpose(0, 2, 1) / math.sqrt(hd)
+            s = np.where(mask[None], s, -np.inf)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            a = (s / s.sum(-1, keepdims=True)) @ v                  # [H, T, hd]
+            h = h + a.transpose(1, 0, 2).reshape(T, H * hd) @ t[p + "self_attn.o_proj.weight"].T
+            x = _rmsnorm(h, t[p + "post_attention_layernorm.weight"], eps)
+            g = x @ t[p + "mlp.gate_proj.weight"].T
+            u = x @ t[p + "mlp.up_proj.weight"].T
+            h = h + (g / (1 + np.exp(-g)) * u) @ t[p + "mlp.down_proj.weight"].T
+        h = _rmsnorm(h, t["model.norm.weight"], eps)
+        head = t.get("lm_head.weight")
+        if head is None or c.get("tie_word_embeddings"):
+            head = t["model.embed_tokens.weight"]
+        return h @ head.T
+
+    def greedy(self, ids, n: int) -> tuple[list[int], list[np.ndarray]]:
+        """n greedy tokens after prompt `ids`, and the logits each was chosen from."""
+        seq, out, logits = list(ids), [], []
+        for _ in range(n):
+            lg = self.forward(seq)[-1]
+            logits.append(lg)
+            nxt = int(np.argmax(lg))
+            out.append(nxt)
+            seq.append(nxt)
+        return out, logits
+
+
+# -- tiny random checkpoints --------------------------------------------------------------------------
+
+def tiny_hf_config(model_type: str = "llama", **kw) -> dict:
+    c = dict(model_type=model_type, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=128, vocab_size=96, rms_norm_eps=1e-5,
+             rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+             hidden_act="silu", bos_token_id=1, eos_token_id=2)
+    c.update(kw)
+    return c
+
+
+def random_hf_tensors(c: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights in HF's layout and names (q/k rows in rotate-half order, as HF computes them)."""
+    rng = np.random.default_rng(seed)
+    D, H, F, V = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"], c["vocab_size"]
+    KV = c.get("num_key_value_heads") or H
+    hd = c.get("head_dim") or D // H
+
+    def mat(o, i, scale=1.0):
+        return (rng.standard_normal((o, i)) * scale / math.sqrt(i)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+         "model.norm.weight": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        t[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        # q/k large enough that attention is far from uniform: a wrong RoPE shows in the logits
+        t[p + "self_attn.q_proj.weight"] = mat(H * hd, D, 3.0)
+        t[p + "self_attn.k_proj.weight"] = mat(KV * hd, D, 3.0)
+        t[p + "self_attn.v_proj.weight"] = mat(KV * hd, D)
+        t[p + "self_attn.o_proj.weight"] = mat(D, H * hd)
+        if c["model_type"] == "qwen2":
+            for n, rows in (("q_proj", H * hd), ("k_proj", KV * hd), ("v_proj", KV * hd)):
+                t[p + f"self_attn.{n}.bias"] = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+        t[p + "mlp.gate_proj.weight"] = mat(F, D)
+        t[p + "mlp.up_proj.weight"] = mat(F, D)
+        t[p + "mlp.down_proj.weight"] = mat(D, F)
+    if not c.get("tie_word_embeddings"):
+        t["lm_head.weight"] = mat(V, D, 4.0)
+    return t
+
+
+def write_hf_dir(path: str, c: dict, t: dict[str, np.ndarray], shards: int = 1) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f)
+    names = sorted(t)
+    if shards == 1:
+        save_file({n: t[n] for n in names}, os.path.join(path, "model.safetensors"), {"format": "pt"})
+        return path
+    wmap = {}
+    for s, idx in enumerate(np.array_split(np.arange(len(names)), shards)):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({names[i]: t[names[i]] for i in idx}, os.path.join(path, fname), {"format": "pt"})
+        wmap.update({names[i]: fname for i in idx})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wmap}, f)
+    return path
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF q/k rows to GGUF's interleaved order."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(c: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs.weight of a Llama 3.x model."""
+    rs, D, H = c["rope_scaling"], c["hidden_size"], c["num_attention_heads"]
+    dim = c.get("head_dim") or D // H
+    freqs = 1.0 / (c.get("rope_theta", 10000.0) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
