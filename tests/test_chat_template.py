@@ -16,8 +16,8 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
 # bos_token written by the template, block tags on their own lines: trim_blocks and lstrip_blocks
 # must swallow those lines' indentation and newlines, or the prompt gets stray whitespace
 LLAMA3 = """{{ bos_token }}
-{% for message in messages %}
-    {% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' %}
+{% for m in messages %}
+    {% set content = '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' %}
     {{ content }}
 {% endfor %}
 {% if add_generation_prompt %}
