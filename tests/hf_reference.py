@@ -204,3 +204,84 @@ def llama3_rope_factors(c: dict) -> np.ndarray:
             smooth = (old / wavelen - lo) / (hi - lo)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+# HF name suffix -> GGUF name suffix (llama.cpp's tensor names)
+_GGUF = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+         "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+         "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+         "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+         "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+         "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[hf]
+    _, _, i, rest = hf.split(".", 3)
+    return f"blk.{i}.{_GGUF[rest]}"
+
+
+def write_gguf(path: str, c: dict, t: dict[str, np.ndarray], qtype=None, arch: str = "llama",
+               fields: dict | None = None, extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
+    """Write HF tensors `t` as a llama.cpp-style GGUF (q/k permuted as its converter does; 2-D weights
+    quantized with gguf.quants to `qtype(hf_name)`, a GGMLQuantizationType or None for F32). Returns
+    the float32 values the file holds, in HF layout and names (what an exact dequantizer gives)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    H = c["num_attention_heads"]
+    KV = c.get("num_key_value_heads") or H
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    hd = c.get("head_dim") or c["hidden_size"] // H
+    w.add_rope_dimension_count(hd)
+    if c.get("head_dim"):
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    w.add_rope_freq_base(c.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
+    w.add_token_list([f"<t{i}>" for i in range(c["vocab_size"])])
+    w.add_bos_token_id(c["bos_token_id"])
+    w.add_eos_token_id(c["eos_token_id"])
+    for k, v in (fields or {}).items():
+        (w.add_uint32 if isinstance(v, int) else w.add_string)(k, v)
+    held = {}
+    for hf, a in t.items():
+        if hf == "lm_head.weight" and c.get("tie_word_embeddings"):
+            continue
+        a = np.asarray(a, dtype=np.float32)
+        if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+            a = llama_cpp_permute(a, H)
+        elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+            a = llama_cpp_permute(a, KV)
+        qt = qtype(hf) if (qtype and a.ndim == 2) else None
+        if qt is None:
+            w.add_tensor(gguf_name(hf), a)
+            held[hf] = a
+        elif qt == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gguf_name(hf), a.astype(np.float16))
+            held[hf] = a.astype(np.float16).astype(np.float32)
+        else:
+            q = quantize(a, qt)
+            w.add_tensor(gguf_name(hf), q, raw_dtype=qt)
+            held[hf] = dequantize(q, qt)
+    for name, (a, qt) in (extra_tensors or {}).items():
+        w.add_tensor(name, a, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    # back to HF's order: the reference computes rotate-half on HF rows
+    for hf in list(held):
+        a = held[hf]
+        n = H if ("q_proj" in hf) else KV if ("k_proj" in hf) else None
+        if n:
+            held[hf] = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+    return held

