@@ -97,6 +97,7 @@ class Scheduler:
         self.max_seq = int(executor.max_seq)
         self.eos = set(getattr(tokenizer, "eos_ids", ()) or ()) | set(getattr(cfg, "eos_token_ids", ()) or ())
         self.bos = getattr(tokenizer, "bos_id", None)
+        self.add_bos = bool(getattr(tokenizer, "add_bos", True))   # the tokenizer's own setting (SmolLM2: no)
         self.slots = [_Slot() for _ in range(int(executor.num_slots))]
         self.sessions: dict[str, _Session] = {}
         self.queue: collections.deque[_Req] = collections.deque()
@@ -129,7 +130,12 @@ class Scheduler:
     def _accept(self, ident, envelope, req):
         session = self._session(req["session"]) if "session" in req else None
         text_prompt = "prompt" in req
-        if text_prompt:
+        if "messages" in req:
+            try:
+                new_ids = [int(t) for t in _encode_chat(self.tokenizer, req["messages"])]
+            except ValueError as e:
+                raise ProtocolError("bad_request", f"cannot render the messages: {e}"[:200]) from None
+        elif text_prompt:
             try:
                 new_ids = [int(t) for t in _encode(self.tokenizer, req["prompt"])]
             except ValueError as e:
@@ -140,10 +146,11 @@ class Scheduler:
             raise ProtocolError("bad_request", f"prompt_ids hold an id >= vocab_size {self.vocab}")
         if self.vocab is not None and any(t >= self.vocab for t in req.get("stop_ids", ())):
             raise ProtocolError("bad_request", f"stop_ids hold an id >= vocab_size {self.vocab}")
-        if session is None and len(new_ids) + (text_prompt and req.get("add_bos", True)) > self.max_seq:
+        if session is None and len(new_ids) + (text_prompt and req.get("add_bos", self.add_bos)) > self.max_seq:
             raise ProtocolError("context_overflow",
                                 f"the prompt of {len(new_ids)} tokens does not fit max_seq {self.max_seq}")
-        if session is None and not new_ids and not (text_prompt and req.get("add_bos", True) and self.bos is not None):
+        if session is None and not new_ids and not (text_prompt and req.get("add_bos", self.add_bos)
+                                                    and self.bos is not None):
             raise ProtocolError("bad_request", "the prompt is empty")
         busy = self.active is not None or bool(self.queue)
         if busy and len(self.queue) >= self.queue_limit:
@@ -186,8 +193,10 @@ class Scheduler:
                 continue                         # gone: _lost took it off the queue
             self.queue.popleft()
             s, new = r.session, list(r.new_ids)
-            base = s.ids if s is not None else []
-            if (r.text_prompt and r.params.get("add_bos", True) and not base and self.bos is not None
+            # messages are the whole conversation: they replace a session's context, whose slot keeps
+            # the longest common prefix (_lcp below), so a chat turn prefills only what is new
+            base = s.ids if s is not None and "messages" not in r.params else []
+            if (r.text_prompt and r.params.get("add_bos", self.add_bos) and not base and self.bos is not None
                     and (not new or new[0] != self.bos)):
                 new = [self.bos] + new
             ctx = base + new
@@ -321,7 +330,9 @@ class Scheduler:
         return {"status": "draining" if self.draining else "ok", "protocol": P.VERSION,
                 "uptime_s": time.monotonic() - self.t0, "active": self.active.rid if self.active else None,
                 "queue": len(self.queue), "queue_limit": self.queue_limit, "sessions": len(self.sessions),
-                "num_slots": len(self.slots), "max_seq": self.max_seq, "vocab_size": self.vocab}
+                "num_slots": len(self.slots), "max_seq": self.max_seq, "vocab_size": self.vocab,
+                "model": getattr(self, "model_name", None),
+                "chat_template": bool(getattr(self.tokenizer, "has_chat_template", False))}
 
     def stats(self) -> dict:
         c = self.counts
@@ -338,6 +349,21 @@ class Scheduler:
                 "slots": {"num_slots": len(self.slots),
                           "held_by_sessions": sum(sl.owner is not None for sl in self.slots),
                           "evictions": c["evictions"]}}
+
+
+def _encode_chat(tokenizer, messages):
+    """The ids of a chat rendered with the model's template (the tokenizer's own BOS setting, never
+    doubled). A tokenizer without a template gets ChatML written as plain text, the fallback that
+    Hugging Face tokenizers used as their default template (docs/protocol.md)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        text += "<|im_start|>assistant\n"
+    try:
+        return tokenizer.encode(text, add_bos=None)
+    except TypeError:
+        return list(tokenizer.encode(text))
 
 
 def _encode(tokenizer, text):

@@ -177,3 +177,22 @@ def test_bad_hf_tokenizers_are_refused(tmp_path):
         load_tokenizer(_hf(tmp_path))
     lane = types.SimpleNamespace(kind="laneformer", cfg=LaneformerConfig(vocab_size=300), model_dir=str(tmp_path))
     assert isinstance(load_tokenizer(lane), ByteTokenizer)
+
+
+def test_coordinator_follows_the_tokenizers_add_bos(tmp_path):
+    """A text prompt gets bos only where the tokenizer says so (SmolLM2 does not), unless asked."""
+    from kog_dist.client import Client
+    from test_control_helpers import Server
+    from workers.factory import make_backend
+    d = str(tmp_path)
+    write_tiny_checkpoint(d, seed=1, num_hidden_layers=1, hidden_size=32, num_lanes=1, num_attention_heads=2,
+                          num_key_value_heads=2, intermediate_size=64, vocab_size=512, bos_token_id=0,
+                          eos_token_id=2)
+    _byte_level_bpe(d)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    backend, cfg = make_backend("cpu", d, num_slots=1, progress=False)
+    tok = load_tokenizer(d, cfg)
+    n = len(tok.encode("hello world"))
+    with Server(backend, tok, cfg) as srv, Client(srv.endpoint, timeout=10) as c:
+        assert c.generate(prompt="hello world", max_new_tokens=1).stats["prefill_tokens"] == n
+        assert c.generate(prompt="hello world", max_new_tokens=1, add_bos=True).stats["prefill_tokens"] == n + 1
