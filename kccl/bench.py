@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .mpirun import find_mpiexec, under_mpi
+from .mpirun import find_mpiexec, launcher_env, under_mpi
 
 
 def parse_args(argv):
@@ -45,7 +45,7 @@ def parse_args(argv):
 
 def relaunch(args, argv) -> int:
     cmd = [find_mpiexec(), "-n", str(args.nranks), sys.executable, "-m", "kccl.bench"] + list(argv)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.Popen(cmd, env=env)

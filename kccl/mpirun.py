@@ -1,4 +1,5 @@
-"""Finding `mpiexec` and telling whether this process already runs under an MPI launcher.
+"""Finding `mpiexec`, the environment it needs as root, and telling whether this process already runs
+under an MPI launcher.
 
 The `mpich` wheel from PyPI installs `mpiexec` next to the interpreter (its scripts folder), so that
 one is preferred to whatever PATH offers (a pyenv shim, or a system MPI that mpi4py was not built for).
@@ -13,6 +14,11 @@ import sysconfig
 
 _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
                  "HYDI_CONTROL_FD")
+
+# Open MPI's mpirun refuses to start ranks as root unless both are set (the environment form of
+# --allow-run-as-root); MPICH's hydra ignores them. Every launch the project builds goes through
+# launcher_env (kccl.bench's relaunch, the tests' mpi_helpers) or launch.cli.build_command (the flag).
+ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def find_mpiexec() -> str:
@@ -33,3 +39,15 @@ def find_mpiexec() -> str:
 def under_mpi() -> bool:
     """True when a launcher (mpiexec/mpirun/srun with PMI) started this process."""
     return any(name in os.environ for name in _LAUNCHER_ENV)
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def launcher_env(env=None, *, root: bool | None = None) -> dict:
+    """A copy of `env` (default os.environ) that lets mpiexec/mpirun start ranks: as root, ROOT_ENV added."""
+    out = dict(os.environ if env is None else env)
+    if is_root() if root is None else root:
+        out.update(ROOT_ENV)
+    return out

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from kccl.mpirun import is_root
+
 LAUNCHERS = ("mpich", "openmpi", "srun")
 CHOICES = ("auto", "mpi") + LAUNCHERS   # "mpi": mpiexec/mpirun of MPICH or Open MPI, never srun
 
@@ -112,10 +114,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def is_root() -> bool:
-    return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
 def build_command(launcher: Launcher, np: int, cmd: Sequence[str], *,

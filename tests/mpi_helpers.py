@@ -23,7 +23,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from kccl.mpirun import find_mpiexec  # noqa: E402
+from kccl.mpirun import find_mpiexec, launcher_env  # noqa: E402
 
 
 class MpiTimeout(AssertionError):
@@ -76,8 +76,40 @@ def shared_gpu_reason(n: int) -> str | None:
     return f"{n} ranks on {gpus} GPU(s) share a GPU: start MPS first (nvidia-cuda-mps-control -d)"
 
 
+_GPU_PROBE = r"""
+import cupy as cp
+for d in range(cp.cuda.runtime.getDeviceCount()):
+    with cp.cuda.Device(d):
+        assert int((cp.arange(4) + 1).sum()) == 10
+"""
+
+
+def wait_gpus_ready(timeout: float = 90.0) -> str | None:
+    """Wait until a new process can open every GPU and run a kernel there; None once it can, else the
+    last failure. After a fault under MPS the server refuses new clients (cudaErrorMpsServerNotReady)
+    until the faulted ones have exited and it has recovered, so a test that starts ranks right after
+    another test's deliberate fault waits here instead of failing on the previous test's debris."""
+    deadline = time.monotonic() + timeout
+    why = "not probed"
+    while True:
+        try:
+            p = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True,
+                               timeout=max(5.0, deadline - time.monotonic()), env=mpi_env())
+            if p.returncode == 0:
+                return None
+            lines = (p.stderr or p.stdout).strip().splitlines()
+            why = lines[-1] if lines else f"exit {p.returncode}"
+        except subprocess.TimeoutExpired:
+            why = "the probe did not finish"
+        if time.monotonic() >= deadline:
+            return f"no GPU ready after {timeout:g} s: {why}"
+        time.sleep(1.0)
+
+
 def mpi_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
+    """The environment of every launch the tests make (mpiexec or plain processes): the working tree on
+    PYTHONPATH, and as root what Open MPI's mpirun needs to start ranks (kccl.mpirun.launcher_env)."""
+    env = launcher_env()
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     for name in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):

@@ -567,23 +567,29 @@ def test_killed_rank_makes_the_others_exit(tmp_path, when):
     dead rank's memory goes away and the survivors' kernels fault (cudaErrorIllegalAddress, which their
     event queries did not report for 20 s on the H200): kccl's check_kernel finds the faulted context
     and reports PeerLost of the dead rank. A kernel that is still running 2 s after the abort word
-    (reported so by check_kernel) fails the test. Under MPS run the kill tests in a pytest of their own, as
-    tests/gpu_multirank.sh's kill step does: after the ids tests in the same pytest (whose fixture holds a
-    GPU context in the pytest process), "between" found the MPS server not ready once the "mid" test's
-    fault had hit (2 x H200, 2026-11-30; in pytests of their own both passed)."""
+    (reported so by check_kernel) fails the test. After such a fault the MPS server refuses new clients
+    until it has recovered ("between" right after "mid" found it not ready): the test waits before its
+    ranks start until a fresh process can use every GPU, and again after them, so that it and the tests
+    after it find the GPUs usable whatever ran before (mpi_helpers.wait_gpus_ready)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from kog_dist.tiny import write_tiny_checkpoint
-    from mpi_helpers import run_plain, shared_gpu_reason
+    from mpi_helpers import run_plain, shared_gpu_reason, wait_gpus_ready
     why = shared_gpu_reason(4)
     if why:
         pytest.skip(why)
+    not_ready = wait_gpus_ready()
+    assert not_ready is None, f"before the ranks start: {not_ready}"
     model, rdv = tmp_path / "model", tmp_path / "rdv"
     rdv.mkdir()
     # the tiny_l8 shape (the same kernel build: max_position_embeddings is not a compile constant)
     write_tiny_checkpoint(str(model), dtype="F32", seed=11, num_lanes=8, max_position_embeddings=16384)
-    res = run_plain(4, RANK_KILLED, args=(str(model), when, KILL_TIMEOUT), timeout=100, folder=str(rdv))
+    try:
+        res = run_plain(4, RANK_KILLED, args=(str(model), when, KILL_TIMEOUT), timeout=100, folder=str(rdv))
+    finally:
+        not_ready = wait_gpus_ready()
     print(res.output[-4000:])
     _check_killed(res, KILL_TIMEOUT)
+    assert not_ready is None, f"after the ranks ended: {not_ready}"
 
 
 def _check_killed(res, timeout):

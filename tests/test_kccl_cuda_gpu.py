@@ -2,9 +2,9 @@
 
 N ranks as N processes: one GPU each where there are enough, else several on a GPU (start MPS first so
 their kernels run at the same time: `nvidia-cuda-mps-control -d`; without it the tests whose persistent
-kernels would share a GPU skip, saying so: mpi_helpers.shared_gpu_reason). Under Open MPI set
-KCCL_MPIEXEC=mpirun and OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-OMPI_MCA_rmaps_base_oversubscribe=1 as needed (kccl/device/run_gpu_checks.sh does).
+kernels would share a GPU skip, saying so: mpi_helpers.shared_gpu_reason). Under Open MPI as root the
+launches carry OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM) (mpi_helpers.mpi_env); set KCCL_MPIEXEC=mpirun where
+mpiexec is not Open MPI's, and OMPI_MCA_rmaps_base_oversubscribe=1 where ranks outnumber cores.
 
 - host API (allreduce fp32/fp16, broadcast, barrier, DTP post/collect, misuse, a SharedBuffer's
   copies between ranks) against numpy;

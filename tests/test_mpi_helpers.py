@@ -1,6 +1,7 @@
 """tests/mpi_helpers.py's MPS check, which decides whether GPU tests whose ranks share a GPU run or skip."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -31,3 +32,22 @@ def test_mps_daemon_is_seen_by_its_process_name(tmp_path, monkeypatch):
 def test_mps_can_be_declared(monkeypatch):
     monkeypatch.setenv("KOG_TEST_MPS", "1")
     assert mpi_helpers.mps_running()
+
+
+def test_launches_as_root_carry_open_mpis_permission():
+    """Open MPI's mpirun refuses root without OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM); every test launch gets
+    them as root (mpi_env), and only as root."""
+    from kccl.mpirun import ROOT_ENV, launcher_env
+    assert launcher_env({"A": "1"}, root=True) == {"A": "1", **ROOT_ENV}
+    assert launcher_env({"A": "1"}, root=False) == {"A": "1"}
+    if os.geteuid() == 0:
+        assert ROOT_ENV.items() <= mpi_helpers.mpi_env().items()
+
+
+def test_a_launch_with_the_root_variables_runs(tmp_path):
+    """MPICH's hydra ignores Open MPI's root variables: the same environment serves both launchers."""
+    if not mpi_helpers.have_mpiexec():
+        pytest.skip("no mpiexec")
+    res = mpi_helpers.run_mpi(2, code="from mpi4py import MPI; print('OK', MPI.COMM_WORLD.rank)", timeout=60,
+                              env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    assert res.returncode == 0 and res.marks("OK") == [0, 1], res.output
