@@ -7,11 +7,30 @@ backend and rank count, whether the context arrived in one piece or several.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 _M64 = (1 << 64) - 1
+
+# The valid range of every sampling parameter: the protocol (kog_dist.protocol) checks requests
+# against these at the edge and SamplingParams.validate() again, so a backend never sees anything else
+# (docs/protocol.md has the same table).
+MAX_TEMPERATURE = 1e6
+MAX_TOP_K = 1 << 31
+# Below this a temperature is greedy: logits / T overflows (5e-324 gives inf, then NaN), and long
+# before that the draw is decided by float32 rounding of the logits, not by their order. Normalised
+# here, in __post_init__, so every backend (numpy and the GPU kernel) gets temperature 0.
+MIN_TEMPERATURE = 1e-6
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -21,15 +40,21 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
 
+    def __post_init__(self):
+        t = self.temperature
+        if _is_num(t) and 0 < t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+
     def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _M64:
-            raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed}")
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if not (_is_num(t) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {t!r}")
+        if not (_is_int(k) and 0 <= k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be an integer in [0, 2^31], got {k!r}")
+        if not (_is_num(p) and math.isfinite(p) and 0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if not (_is_int(s) and 0 <= s <= _M64):
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {s!r}")
         return self
 
     @property
@@ -56,8 +81,9 @@ def argmax_lowest(logits: np.ndarray) -> int:
 
 def filtered_distribution(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """Candidate ids in draw order and their renormalised probabilities, after temperature, top-k, top-p."""
-    z = np.asarray(logits, dtype=np.float64) / p.temperature
-    w = np.exp(z - z.max())
+    x = np.asarray(logits, dtype=np.float64)
+    # subtract the maximum before dividing: (x - max) / T is <= 0 and at worst -inf, never inf - inf
+    w = np.exp((x - x.max()) / p.temperature)
     order = np.lexsort((np.arange(w.size), -w))  # probability descending, ties by lower index
     if p.top_k > 0:
         order = order[:p.top_k]

@@ -2,7 +2,9 @@
 import numpy as np
 import pytest
 
-from kog_dist.sampling import SamplingParams, filtered_distribution, sample, splitmix64, uniform
+from kog_dist.backend import RunCommand
+from kog_dist.sampling import (MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams, filtered_distribution, sample,
+                               splitmix64, uniform)
 
 
 def test_splitmix64_known_values():
@@ -77,7 +79,37 @@ def test_ties_in_probability_order_by_lower_index():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
-                                 dict(seed=-1)])
+                                 dict(seed=-1), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(temperature=MAX_TEMPERATURE * 2), dict(temperature="1"), dict(top_k=True),
+                                 dict(top_k=(1 << 31) + 1), dict(top_k=2.0), dict(top_p=float("nan")), dict(top_p="1"),
+                                 dict(seed=1 << 64), dict(seed=1.0)])
 def test_bad_params_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad).validate()
+
+
+@pytest.mark.parametrize("t", [5e-324, 1e-310, 1e-300, 1e-30, MIN_TEMPERATURE / 2])
+def test_tiny_temperature_is_greedy(t):
+    """logits / 5e-324 overflows to inf (then inf - inf = NaN); such temperatures are normalised to
+    greedy when the params are made, so every backend (and the wire form the ranks get) sees 0."""
+    rng = np.random.default_rng(8)
+    p = SamplingParams(temperature=t, seed=9).validate()
+    assert p.temperature == 0.0 and p.greedy
+    assert RunCommand.from_wire(RunCommand(sampling=SamplingParams(temperature=t)).to_wire()).sampling.greedy
+    for c in range(20):
+        lg = rng.standard_normal(300).astype(np.float32) * 30
+        lg[5] = lg.max()                              # a tie: greedy takes the lower index
+        assert sample(lg, p, c) == int(np.argmax(lg))
+
+
+def test_small_temperature_above_the_floor_is_finite_and_near_greedy():
+    # just above the floor the draw is computed, never NaN, and picks the maximum of well-separated logits
+    lg = np.array([1e4, -1e4, 9999.0, 3.0])
+    p = SamplingParams(temperature=MIN_TEMPERATURE * 2, seed=1).validate()
+    assert p.temperature > 0 and not p.greedy
+    order, q = filtered_distribution(lg, p)
+    assert np.isfinite(q).all() and order[0] == 0 and q[0] == 1.0
+    assert all(sample(lg, p, c) == 0 for c in range(50))
+    # the largest temperature: nearly uniform, still a distribution
+    order, q = filtered_distribution(lg, SamplingParams(temperature=MAX_TEMPERATURE))
+    assert np.isfinite(q).all() and abs(q.sum() - 1) < 1e-12 and q.min() > 0.2
