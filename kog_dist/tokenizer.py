@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import numbers
 import os
 from types import SimpleNamespace
 
@@ -270,7 +271,8 @@ def _from_gguf(fields: dict, cfg) -> HFTokenizer:
 
     def tid(key):
         v = fields.get(key)
-        return int(v) if isinstance(v, int) and not isinstance(v, bool) and 0 <= int(v) < len(tokens) else None
+        ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= int(v) < len(tokens)
+        return int(v) if ok else None
 
     bos_id = tid("tokenizer.ggml.bos_token_id")
     if bos_id is None and cfg.bos_token_ids:

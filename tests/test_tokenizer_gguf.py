@@ -247,3 +247,44 @@ def test_smollm2_streaming(smol):
         if done:
             break
     assert out == "Paris 🇫🇷 is the "
+
+
+# ------------------------------------------------------------------------- gpt2 pre-tokenizers
+
+def _byte_chars():
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:] + [256 + k for k in range(256 - len(bs))]
+    bs += [b for b in range(256) if b not in bs]
+    return [c for _, c in sorted(zip(bs, map(chr, cs)))]
+
+
+def gpt2_fields(pre):
+    """A byte-level BPE whose merges would join what each pre-tokenizer keeps apart."""
+    merged = ["12", "123", "1234", "IT", "'S", "(x", "Ġw", "Ġwo"]
+    merges = ["1 2", "12 3", "123 4", "I T", "' S", "( x", "Ġ w", "Ġw o"]
+    specials = ["<|begin_of_text|>", "<|eot_id|>", "<tool>"]
+    tokens = specials + _byte_chars() + merged
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3, 4] + [1] * (len(tokens) - 3), "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+
+
+@pytest.mark.parametrize("pre,want", [
+    ("llama-bpe", ["123", "4", "IT", "'S", "(x", "Ġwo"]),        # digits by threes, 'S any case
+    ("qwen2", ["1", "2", "3", "4", "IT", "'S", "(x", "Ġwo"]),    # digits one by one
+    ("smollm", ["1", "2", "3", "4", "IT", "'", "S", "(", "x", "Ġwo"]),
+    ("gpt2", ["1234", "IT", "'", "S", "(", "x", "Ġwo"]),
+    ("some-new-pre", ["1234", "IT", "'", "S", "(", "x", "Ġwo"]),  # unknown: GPT-2's split
+])
+def test_gpt2_pre_tokenizers(pre, want):
+    fields = gpt2_fields(pre)
+    tokens = fields["tokenizer.ggml.tokens"]
+    tok = load_tokenizer(types.SimpleNamespace(kind="gguf", cfg=LaneformerConfig(vocab_size=len(tokens)),
+                                               model_dir="", gguf_fields=fields))
+    ids = tok.encode("1234IT'S(x wo", add_bos=False)
+    assert [tokens[i] for i in ids] == want
+    assert tok.decode(ids) == "1234IT'S(x wo"
+    assert tok.add_bos is (pre == "llama-bpe") and tok.eos_ids == (1,)
+    ids = tok.encode("<|begin_of_text|>a<tool>b<|eot_id|>", add_bos=False)
+    assert ids[0] == 0 and ids[-1] == 1 and 2 in ids
+    assert tok.decode(ids) == "a<tool>b"               # user-defined tokens kept, control tokens skipped
