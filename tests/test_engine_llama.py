@@ -113,3 +113,44 @@ def test_chunked_prefill_and_truncate_on_a_hf_model(tmp_path):
     e.truncate(4)
     assert np.allclose(e.prefill(PROMPT[4:7]), ref[6], atol=2e-4 * np.abs(ref).max())
     m.close()
+
+
+def test_convert_hf_and_gguf_to_laneformer(tmp_path):
+    """convert() writes a Laneformer directory that computes the same function, with the tokenizer
+    files beside it; it refuses to write into a directory that holds something."""
+    from hf_reference import write_gguf
+    from kog_dist.formats import FormatError
+    from kog_dist.formats.convert import convert
+
+    d, c, t = make_hf(tmp_path, "llama_head_dim")
+    with open(f"{d}/tokenizer_config.json", "w") as f:
+        f.write('{"add_bos_token": false}')
+    out = convert(d, str(tmp_path / "lf"), shard_bytes=40_000)
+    assert out["kind"] == "hf" and len(out["files"]) > 1 and "tokenizer_config.json" in out["tokenizer"]
+    lf = open_model(str(tmp_path / "lf"))
+    assert lf.kind == "laneformer" and lf.cfg.head_dim == 24 and lf.cfg.num_lanes == 1
+    m = Model(lf, progress=False)
+    assert_same(run_ours(m), HFLlama(c, t).greedy(PROMPT, NEW))
+    m.close()
+    # qwen2 biases in bf16
+    d2, c2, t2 = make_hf(tmp_path, "qwen2_bias_tied")
+    convert(d2, str(tmp_path / "lf2"), dtype="BF16")
+    lf2 = open_model(str(tmp_path / "lf2"))
+    assert lf2.cfg.attention_bias and lf2.dtype("model.layers.0.attention.bq.bias") == "BF16"
+    hf2 = open_model(d2)
+    b = hf2.tensor("model.layers.0.attention.bq.bias")
+    assert np.allclose(lf2.tensor("model.layers.0.attention.bq.bias"), b, rtol=1e-2, atol=1e-2)
+    # a quantized GGUF: the exact float32 values, llama.cpp's rope factors kept
+    from gguf import GGMLQuantizationType as Q
+    c3 = tiny_hf_config(rope_scaling=LLAMA3)
+    from hf_reference import llama3_rope_factors
+    g = str(tmp_path / "q.gguf")
+    held = write_gguf(g, c3, random_hf_tensors(c3, 9), lambda n: Q.Q8_0,
+                      extra_tensors={"rope_freqs.weight": (llama3_rope_factors(c3), None)})
+    convert(g, str(tmp_path / "lf3"))
+    m3 = Model(str(tmp_path / "lf3"), progress=False)
+    assert m3.cfg.rope_scaling["rope_type"] == "factors"
+    assert_same(run_ours(m3), HFLlama(c3, held).greedy(PROMPT, NEW))
+    m3.close()
+    with pytest.raises(FormatError, match="not an empty directory"):
+        convert(d, str(tmp_path / "lf"))
