@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
+from . import optional
 from .mpirun import find_mpiexec, launcher_env, under_mpi
+from .optional import mpi_missing
 
 
 def parse_args(argv):
@@ -44,7 +46,12 @@ def parse_args(argv):
 
 
 def relaunch(args, argv) -> int:
-    cmd = [find_mpiexec(), "-n", str(args.nranks), sys.executable, "-m", "kccl.bench"] + list(argv)
+    try:
+        mpiexec = find_mpiexec()
+    except FileNotFoundError as exc:
+        print(f"kccl.bench: error: {exc}", file=sys.stderr)
+        return 2
+    cmd = [mpiexec, "-n", str(args.nranks), sys.executable, "-m", "kccl.bench"] + list(argv)
     env = launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -123,14 +130,21 @@ def main(argv=None) -> int:
         print("kccl.bench: --delta must be >= 0 and --iters >= 1", file=sys.stderr)
         return 2
     if not under_mpi():
+        why = mpi_missing()
+        if why is not None:
+            print(f"kccl.bench: error: {why}", file=sys.stderr)
+            return 2
         return relaunch(args, argv)
+    try:
+        MPI = optional.mpi()
+    except optional.MpiMissing as exc:
+        print(f"kccl.bench: error: {exc}", file=sys.stderr)
+        return 2
     from .mpi_plain import forbid_pickle
     forbid_pickle()
     if args.transport == "cuda_ipc":  # device buffers, host calls and a persistent kernel, NCCL beside
         from .cuda_ipc import bench_main
         return bench_main(args)
-
-    from mpi4py import MPI
 
     from . import Communicator
 

@@ -11,6 +11,8 @@ import json
 
 import numpy as np
 
+from . import optional
+
 
 def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
     """Root's `data` on every rank (the others pass None)."""
@@ -55,7 +57,7 @@ def allreduce_int(comm, value: int, op) -> int:
 def forbid_pickle() -> None:
     """Make mpi4py's pickling calls fail in this process (entry points call it first), so that no
     lowercase collective can slip in: they raise instead of pickling."""
-    from mpi4py import MPI
+    MPI = optional.mpi()
 
     def refuse(*_a, **_k):
         raise RuntimeError("mpi4py's pickling collectives are off in kog_dist (use kccl.mpi_plain)")

@@ -70,9 +70,9 @@ def _leave(rc: int) -> None:
 
 
 def run(a) -> int:
-    from mpi4py import MPI
-
     from kccl.mpi_plain import allreduce_int, forbid_pickle
+    from kccl.optional import mpi
+    MPI = mpi()   # MpiMissing says in one line what to install
     from kog_dist.config import load_config
     from kog_dist.tiny import default_model_dir
     from launch.discovery import require_single_node
