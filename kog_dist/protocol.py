@@ -12,6 +12,8 @@ import math
 
 import msgpack
 
+from .sampling import MAX_TEMPERATURE, MAX_TOP_K
+
 VERSION = 1
 MAX_FRAME_BYTES = 1 << 20          # a request frame larger than this gets a `too_large` error
 HARD_FRAME_BYTES = 16 << 20        # zmq MAXMSGSIZE: larger frames drop the connection, unread
@@ -23,6 +25,9 @@ MAX_STOP_LEN = 256
 MAX_STOP_IDS = 256
 MAX_NEW_TOKENS = 1 << 20
 MAX_ID_STR = 128
+MIN_OWNER = 16                     # an owner token shorter than this is too easy to guess
+MAX_SECRET = 256
+MAX_MESSAGES = 4096
 
 ERROR_CODES = {
     "bad_request": "the message is not a msgpack map matching the schema (type, range, field)",
@@ -33,7 +38,7 @@ ERROR_CODES = {
     "no_session": "the session is unknown, closed or expired",
     "too_many_sessions": "the server holds its maximum number of sessions",
     "context_overflow": "the context does not fit the model's max_seq",
-    "forbidden": "the op needs a loopback or authenticated client",
+    "forbidden": "the request is not this client's, or shutdown without the server's secret",
     "cancelled": "the request was cancelled before it started",
     "shutting_down": "the server is shutting down and takes no more work",
     "backend_failed": "the ranks failed (a rank died); the server is exiting",
@@ -146,13 +151,33 @@ def _session(msg, out, required):
         out["session"] = _str(msg, "session", MAX_ID_STR)
 
 
+def _messages(msg, out):
+    """A chat as [{role, content}]: the coordinator renders it with the model's chat template."""
+    if "prompt" in msg or "prompt_ids" in msg or "add_bos" in msg:
+        raise ProtocolError("bad_request", "give messages or prompt/prompt_ids (and add_bos), not both")
+    x = msg["messages"]
+    if not isinstance(x, list) or not 1 <= len(x) <= MAX_MESSAGES:
+        raise ProtocolError("bad_request", f"messages must be a list of 1..{MAX_MESSAGES} "
+                                           f"{{role, content}} maps, got {_show(x)}")
+    for i, m in enumerate(x):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not 1 <= len(m["role"]) <= 32 \
+                or not isinstance(m.get("content"), str) or set(m) - {"role", "content", "name"} \
+                or not isinstance(m.get("name", ""), str):
+            raise ProtocolError("bad_request", f"message {i} must be a map of role (string), content (string) "
+                                               f"and optionally name, got {_show(m)}")
+    out["messages"] = [dict(m) for m in x]
+
+
 def _generate(msg, out):
     _session(msg, out, required=False)
-    _prompt(msg, out, required="session" not in out)
+    if "messages" in msg:
+        _messages(msg, out)
+    else:
+        _prompt(msg, out, required="session" not in out)
     d = GENERATE_DEFAULTS
     out["max_new_tokens"] = _int(msg, "max_new_tokens", 0, MAX_NEW_TOKENS, d["max_new_tokens"])
-    out["temperature"] = _float(msg, "temperature", 0.0, 1e6, d["temperature"])
-    out["top_k"] = _int(msg, "top_k", 0, 1 << 31, d["top_k"])
+    out["temperature"] = _float(msg, "temperature", 0.0, MAX_TEMPERATURE, d["temperature"])
+    out["top_k"] = _int(msg, "top_k", 0, MAX_TOP_K, d["top_k"])
     out["top_p"] = _float(msg, "top_p", 0.0, 1.0, d["top_p"], lo_open=True)
     out["seed"] = _int(msg, "seed", 0, (1 << 64) - 1, d["seed"])
     out["stream"] = _bool(msg, "stream", d["stream"])
@@ -186,13 +211,13 @@ def _cancel(msg, out):
 OPS = {
     "health": ((), None),
     "stats": ((), None),
-    "shutdown": ((), None),
-    "generate": (("prompt", "prompt_ids", "add_bos", "session", "max_new_tokens", "temperature", "top_k",
-                  "top_p", "seed", "stop", "stop_ids", "stream"), _generate),
-    "open": (("ttl_s",), _open),
-    "append": (("session", "prompt", "prompt_ids", "add_bos"), _append),
-    "close": (("session",), lambda m, o: _session(m, o, required=True)),
-    "cancel": (("rid", "session"), _cancel),
+    "shutdown": (("secret",), lambda m, o: o.update(secret=_str(m, "secret", MAX_SECRET)) if "secret" in m else None),
+    "generate": (("prompt", "prompt_ids", "messages", "add_bos", "session", "max_new_tokens", "temperature",
+                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner"), _generate),
+    "open": (("ttl_s", "owner"), _open),
+    "append": (("session", "prompt", "prompt_ids", "add_bos", "owner"), _append),
+    "close": (("session", "owner"), lambda m, o: _session(m, o, required=True)),
+    "cancel": (("rid", "session", "owner"), _cancel),
 }
 
 
@@ -226,6 +251,8 @@ def parse_request(msg: dict) -> dict:
     if extra:
         raise ProtocolError("bad_request", f"unknown field(s) for {op}: {', '.join(sorted(map(str, extra)))[:80]}")
     out = {"op": op, "id": request_id(msg)}
+    if "owner" in msg:   # the client's own token: its requests and sessions, from any of its connections
+        out["owner"] = _str(msg, "owner", MAX_ID_STR, min_len=MIN_OWNER)
     if check is not None:
         check(msg, out)
     return out

@@ -1,0 +1,333 @@
+"""The HTTP gateway: an ASGI app (Starlette) in front of one coordinator, reached through
+``kog_dist.aclient.AsyncClient`` (one shared DEALER connection; docs/serve.md says why Starlette).
+
+    gw = Gateway("tcp://127.0.0.1:5555", model_name="SmolLM2", api_key=None)
+    app = gw.app                       # run it with uvicorn; gw.ready is set once the model answers
+
+Routes: GET / (the playground), GET /health, GET /metrics, GET /v1/models[/{id}],
+POST /v1/completions, POST /v1/chat/completions. Errors use OpenAI's JSON error shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from kog_dist.aclient import AsyncClient, ClientTimeout, ServerError, ServerGone
+
+from . import openai_api as O
+from .metrics import Metrics
+
+STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+MAX_BODY_BYTES = 1 << 20      # the coordinator takes frames up to 1 MiB; larger bodies get 413 here
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def error_response(e: O.ApiError) -> Response:
+    return Response(_json(e.body()), status_code=e.status, media_type="application/json", headers=e.headers)
+
+
+class Gateway:
+    """State shared by the routes: the coordinator client, its health, the metrics."""
+
+    def __init__(self, endpoint: str, *, model_name: str | None = None, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, timeout: float = 60.0, health_every_s: float = 1.0,
+                 server_key=None, client_key=None, log=None):
+        self.endpoint, self.model_name, self.max_body = endpoint, model_name, int(max_body_bytes)
+        self._key = api_key.encode() if api_key else None
+        self.timeout, self.health_every_s = float(timeout), float(health_every_s)
+        self.client = AsyncClient(endpoint, timeout=timeout, server_key=server_key, client_key=client_key)
+        self.state = "loading"       # loading -> ok <-> down; failed (the ranks died) is final
+        self.failure = None
+        self.health: dict = {}
+        self.ready = asyncio.Event()
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.log = log or (lambda m: None)
+        self._task = None
+        self.app = Starlette(routes=[
+            Route("/", self.index), Route("/health", self.get_health), Route("/metrics", self.get_metrics),
+            Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ], lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        await self.startup()
+        try:
+            yield
+        finally:
+            await self.shutdown()
+
+    # ------------------------------------------------------------------------------ lifecycle
+    async def startup(self):
+        self.ready = asyncio.Event()
+        await self.client.start()
+        self._task = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def shutdown(self):
+        if self._task is not None:
+            self._task.cancel()
+        await self.client.close()
+
+    def fail(self, why: str):
+        """The ranks are gone for good (kog serve saw them exit): answer 503 from now on."""
+        self.state, self.failure = "failed", why
+
+    async def _watch_health(self):
+        while True:
+            try:
+                h = await self.client.call("health", timeout=max(1.0, self.health_every_s))
+            except (ClientTimeout, ServerGone, ServerError):
+                if self.state == "ok":
+                    self.state = "down"
+                    self.log(f"the coordinator at {self.endpoint} stopped answering")
+            else:
+                self.health = h
+                if self.state != "failed":
+                    self.state = "ok" if h.get("status") == "ok" else "down"
+                if self.model_name is None and h.get("model"):
+                    self.model_name = os.path.splitext(str(h["model"]))[0]
+                if self.state == "ok":
+                    self.ready.set()
+            await asyncio.sleep(self.health_every_s if self.state == "ok" else 0.2)
+
+    # ------------------------------------------------------------------------------ checks
+    def _auth(self, request: Request):
+        if self._key is None:
+            return
+        h = request.headers.get("authorization", "")
+        given = h[7:].strip().encode() if h[:7].lower() == "bearer " else b""
+        if not hmac.compare_digest(given, self._key):
+            raise O.ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                             type_="authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+
+    def _available(self):
+        if self.state != "ok":
+            why = {"loading": "the model is loading", "down": f"the coordinator at {self.endpoint} does not answer",
+                   "failed": f"the ranks failed ({self.failure})"}[self.state]
+            raise O.ApiError(503, why, type_="server_error", code=self.state, headers={"Retry-After": "1"})
+
+    def _check_model(self, body):
+        m = body.get("model")
+        if m is not None and not isinstance(m, str):
+            raise O.bad("model must be a string", "model")
+        if m and self.model_name and m != self.model_name:
+            raise O.ApiError(404, f"the model {m!r} does not exist; this server serves {self.model_name!r}"[:200],
+                             param="model", code="model_not_found")
+
+    async def _body(self, request: Request) -> dict:
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.max_body:
+            raise O.ApiError(413, f"the request body of {cl} bytes is over the limit of {self.max_body}")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.max_body:
+                raise O.ApiError(413, f"the request body is over the limit of {self.max_body} bytes")
+        try:
+            body = json.loads(bytes(data))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise O.bad(f"the body is not valid JSON: {e}"[:200]) from None
+        if not isinstance(body, dict):
+            raise O.bad("the body must be a JSON object")
+        return body
+
+    # ------------------------------------------------------------------------------ small routes
+    async def index(self, request):
+        return FileResponse(os.path.join(STATIC, "index.html"), media_type="text/html")
+
+    async def get_health(self, request):
+        body = {"status": self.state, "model": self.model_name, **{k: self.health.get(k) for k in (
+            "max_seq", "vocab_size", "queue", "queue_limit", "active", "chat_template")}}
+        if self.failure:
+            body["failure"] = self.failure
+        return JSONResponse(body, status_code=200 if self.state == "ok" else 503)
+
+    async def get_metrics(self, request):
+        try:
+            self._auth(request)
+        except O.ApiError as e:
+            return error_response(e)
+        return PlainTextResponse(self.metrics.render(self.health if self.state == "ok" else {}),
+                                 media_type="text/plain; version=0.0.4")
+
+    def _model_card(self):
+        return {"id": self.model_name or "kog", "object": "model", "created": self.created, "owned_by": "kog",
+                "max_model_len": self.health.get("max_seq")}
+
+    async def models(self, request):
+        try:
+            self._auth(request)
+        except O.ApiError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        try:
+            self._auth(request)
+            self._check_model({"model": request.path_params["model"]})
+        except O.ApiError as e:
+            return error_response(e)
+        return JSONResponse(self._model_card())
+
+    # ------------------------------------------------------------------------------ generation
+    async def completions(self, request):
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request):
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        t0 = time.perf_counter()
+        try:
+            self._auth(request)
+            body = await self._body(request)
+            self._check_model(body)
+            self._available()
+            max_seq = int(self.health.get("max_seq") or 0)
+            msg = O.chat_request(body, max_seq) if chat else O.completion_request(body, max_seq)
+            stream = msg["stream"]
+            req = self.client.request(msg)
+            try:
+                first = await req.__anext__()          # accepted, or the error that refuses it
+            except BaseException:
+                req.abandon()
+                raise
+        except O.ApiError as e:
+            self.metrics.request(endpoint, e.status)
+            return error_response(e)
+        except ServerError as e:
+            err = O.from_server_error(e.code, e.message)
+            self.metrics.request(endpoint, err.status)
+            return error_response(err)
+        except (ClientTimeout, ServerGone) as e:
+            self.metrics.request(endpoint, 503)
+            return error_response(O.ApiError(503, str(e), type_="server_error", code="unavailable",
+                                             headers={"Retry-After": "1"}))
+        cid = O.new_id("chatcmpl" if chat else "cmpl")
+        model = self.model_name or "kog"
+        if first.get("type") == "result":      # (not expected: accepted always comes first)
+            return JSONResponse(O.completion_body(cid, model, first, chat))
+        self.metrics.in_flight += 1
+        if stream:
+            return _SSE(self, req, cid, model, chat, O.include_usage(body), t0, endpoint)
+        return _Whole(self, req, cid, model, chat, t0, endpoint)
+
+
+async def _watch_disconnect(receive, req):
+    """The client went away: cancel its request on the coordinator (within one token)."""
+    while True:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            req.abandon()
+            return
+
+
+class _Whole:
+    """A non-streaming completion: wait for the result, cancelling if the client disconnects."""
+
+    def __init__(self, gw, req, cid, model, chat, t0, endpoint):
+        self.gw, self.req, self.cid, self.model, self.chat, self.t0 = gw, req, cid, model, chat, t0
+        self.endpoint = endpoint
+
+    async def __call__(self, scope, receive, send):
+        watch = asyncio.ensure_future(_watch_disconnect(receive, self.req))
+        status, out, headers = 200, None, {}
+        try:
+            async for m in self.req:
+                if m.get("type") == "result":
+                    st = m.get("stats", {})
+                    self.gw.metrics.finished(st, (st.get("queue_ms", 0) + st.get("ttft_ms", 0)) / 1000)
+                    out = O.completion_body(self.cid, self.model, m, self.chat)
+        except ServerError as e:
+            err = O.from_server_error(e.code, e.message)
+            status, out, headers = err.status, err.body(), err.headers
+        except (ClientTimeout, ServerGone) as e:
+            status, out, headers = 503, O.ApiError(503, str(e), type_="server_error").body(), {"Retry-After": "1"}
+        finally:
+            watch.cancel()
+            self.gw.metrics.in_flight -= 1
+            if not self.req.done:
+                self.req.abandon()
+        if self.req.done and out is None:        # disconnected: nobody to answer
+            return
+        self.gw.metrics.request(self.endpoint, status)
+        await Response(_json(out), status_code=status, media_type="application/json",
+                       headers=headers)(scope, receive, send)
+
+
+class _SSE:
+    """A streaming completion as server-sent events, ending in `data: [DONE]`."""
+
+    def __init__(self, gw, req, cid, model, chat, usage, t0, endpoint):
+        self.gw, self.req, self.cid, self.model, self.chat, self.usage = gw, req, cid, model, chat, usage
+        self.t0, self.endpoint = t0, endpoint
+
+    def _event(self, obj) -> dict:
+        return {"type": "http.response.body", "body": b"data: " + _json(obj) + b"\n\n", "more_body": True}
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        self.gw.metrics.request(self.endpoint, 200)
+        watch = asyncio.ensure_future(_watch_disconnect(receive, self.req))
+        created, first, ttft = int(time.time()), True, None
+        try:
+            async for m in self.req:
+                kind = m.get("type")
+                if kind == "chunk":
+                    text = m.get("text", "")
+                    if ttft is None and m.get("token_ids"):
+                        ttft = time.perf_counter() - self.t0
+                    if first or text:
+                        await send(self._event(O.chunk_body(self.cid, created, self.model, self.chat, text,
+                                                            role=first)))
+                        first = False
+                elif kind == "result":
+                    if first and self.chat:
+                        await send(self._event(O.chunk_body(self.cid, created, self.model, True, "", role=True)))
+                    finish = O.FINISH.get(m.get("stop_reason"), "stop")
+                    ev = O.chunk_body(self.cid, created, self.model, self.chat, None if self.chat else "", finish)
+                    st = m.get("stats", {})
+                    ev["kog_stats"] = st
+                    await send(self._event(ev))
+                    if self.usage:
+                        await send(self._event({"id": self.cid, "object": ev["object"], "created": created,
+                                                "model": self.model, "choices": [], "usage": O.usage(st)}))
+                    self.gw.metrics.finished(st, ttft)
+        except (ServerError, ClientTimeout, ServerGone) as e:
+            err = O.from_server_error(e.code, e.message) if isinstance(e, ServerError) else \
+                O.ApiError(503, str(e), type_="server_error")
+            try:
+                await send(self._event(err.body()))
+            except OSError:
+                pass
+        except OSError:                               # the client is gone (a send failed)
+            pass
+        finally:
+            watch.cancel()
+            self.gw.metrics.in_flight -= 1
+            if not self.req.done:
+                self.req.abandon()
+        if watch.done() and not watch.cancelled():
+            return
+        try:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        except OSError:
+            pass

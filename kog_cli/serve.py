@@ -1,0 +1,238 @@
+"""`kog serve`: the ranks, their coordinator and an OpenAI-compatible HTTP gateway, in one command.
+
+    kog serve --model M [--np N] [--host 127.0.0.1] [--port 8000]
+    kog serve --connect tcp://HOST:PORT [--host ...] [--port ...]    # front a running kog-worker job
+
+Starts the rank program (one `python -m workers` process for --np 1, N ranks under mpiexec/mpirun/srun
+otherwise), serves HTTP at once (503 until the model is loaded), prints the URL when the coordinator
+answers `health`, and on Ctrl-C / SIGTERM stops the gateway, then the ranks (SIGTERM: they drain and
+exit 0), and exits 0. The gateway is a client of the coordinator, never a second path to the ranks.
+docs/serve.md has the routes, the errors and the security rules.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import uvicorn
+
+from kog_dist import protocol as P
+from launch.cli import LaunchError, build_command, detect, free_port
+
+from .gateway import MAX_BODY_BYTES, Gateway
+from .generate import _die_with_parent
+
+LINGER_AFTER_FAILURE_S = 5.0      # answer 503 this long after the ranks died, then exit 1
+
+
+class UsageError(ValueError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kog serve", description="OpenAI-compatible HTTP server (and playground at /) "
+                                              "in front of the kog_dist ranks.")
+    p.add_argument("--model", help="model path or built-in name (as kog-worker --model)")
+    p.add_argument("--np", type=int, default=1, dest="nranks", help="ranks (more than 1: under mpiexec)")
+    p.add_argument("--connect", metavar="ENDPOINT", help="front an already running kog-worker job "
+                                                         "(its --control endpoint) instead of starting ranks")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one; the URL is printed)")
+    p.add_argument("--api-key", default=os.environ.get("KOG_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KOG_API_KEY)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without --api-key")
+    p.add_argument("--served-model-name", help="the model id clients use (default: the model's file name)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any coordinator message")
+    p.add_argument("--control", help="the endpoint the ranks bind (default: a free loopback port)")
+    p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--max-seq", type=int, default=None)
+    p.add_argument("--slots", type=int, default=4, help="KV caches (prefix reuse between requests)")
+    p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the running one (429 after)")
+    p.add_argument("--bind", choices=("none", "cores", "numa"), default=None,
+                   help="rank CPU binding (default: none for --np 1, cores otherwise)")
+    p.add_argument("--server-key", help="with --connect: the server's CURVE public key file")
+    p.add_argument("--client-key", help="with --connect: this client's CURVE secret key file")
+    return p
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return P.is_loopback(f"tcp://{host}:0" if ":" not in host else f"tcp://[{host}]:0")
+    except ValueError:
+        return False
+
+
+def check_args(a) -> None:
+    if a.nranks < 1:
+        raise UsageError("--np must be >= 1")
+    if not 0 <= a.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {a.port}")
+    if a.max_body_bytes < 1024:
+        raise UsageError("--max-body-bytes must be at least 1024")
+    if not _is_loopback_host(a.host) and not a.api_key and not a.insecure_no_auth:
+        raise UsageError(f"--host {a.host} is reachable from other machines: give --api-key KEY "
+                         f"(or $KOG_API_KEY), or --insecure-no-auth to serve without one")
+    if a.connect:
+        P.endpoint_host(a.connect)               # ValueError on a malformed endpoint
+        if a.model or a.nranks != 1:
+            raise UsageError("--connect fronts a running job: --model and --np belong to that job")
+    if a.control:
+        P.endpoint_host(a.control)
+
+
+def rank_command(a, control: str) -> list[str]:
+    cmd = [sys.executable, "-m", "workers", "--control", control, "--backend", a.backend,
+           "--bind", a.bind or ("none" if a.nranks == 1 else "cores"), "--slots", str(a.slots),
+           "--queue-limit", str(a.queue_limit)]
+    if a.model:
+        cmd += ["--model", a.model]
+    if a.max_seq:
+        cmd += ["--max-seq", str(a.max_seq)]
+    if a.nranks == 1:
+        return cmd
+    try:
+        return build_command(detect(), a.nranks, cmd)
+    except LaunchError as e:
+        raise UsageError(f"--np {a.nranks} needs an MPI launcher: {e}") from None
+
+
+def start_ranks(cmd: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # a session of its own: the terminal's Ctrl-C reaches kog serve only, which then stops the ranks
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def stop_ranks(proc: subprocess.Popen, grace_s: float = 15.0) -> int | None:
+    """SIGTERM (the coordinator drains, tells the other ranks, all exit 0), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        t = time.monotonic() + wait
+        while proc.poll() is None and time.monotonic() < t:
+            time.sleep(0.05)
+    return proc.poll()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: kog serve decides what SIGINT/SIGTERM do."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self):      # older uvicorn
+        pass
+
+
+def _say(msg: str) -> None:
+    print(f"kog serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _name(a) -> str | None:
+    if a.served_model_name:
+        return a.served_model_name
+    if a.model:
+        return os.path.splitext(os.path.basename(os.path.normpath(a.model)))[0]
+    return None
+
+
+async def _run(a, proc, control) -> int:
+    gw = Gateway(control, model_name=_name(a), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                 timeout=a.timeout, server_key=a.server_key, client_key=a.client_key, log=_say)
+    config = uvicorn.Config(gw.app, host=a.host, port=a.port, log_level="warning", loop="asyncio",
+                            lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    why = {"signal": None}
+
+    def on_signal(signum):
+        why["signal"] = signum
+        server.should_exit = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    rc = {"rc": 0}
+
+    async def supervise():
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.02)
+        if not server.started:
+            return
+        sock = server.servers[0].sockets[0].getsockname()
+        host = f"[{sock[0]}]" if ":" in sock[0] else sock[0]
+        url = f"http://{host}:{sock[1]}"
+        _say(f"HTTP on {url} (503 until the model is loaded); coordinator {control}")
+        while not gw.ready.is_set():
+            if proc is not None and proc.poll() is not None:
+                _say(f"the ranks exited ({proc.returncode}) before the model was loaded")
+                rc["rc"] = 1
+                server.should_exit = True
+                return
+            if server.should_exit:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(gw.ready.wait(), 0.1)
+        print(f"kog serve: ready at {url}/ (model {gw.model_name}; OpenAI base URL {url}/v1)", flush=True)
+        while proc is not None and not server.should_exit:
+            if proc.poll() is not None:
+                gw.fail(f"the rank job exited with status {proc.returncode}")
+                _say(f"the ranks exited ({proc.returncode}); answering 503 for {LINGER_AFTER_FAILURE_S:g} s, "
+                     f"then exiting 1")
+                rc["rc"] = 1
+                await asyncio.sleep(LINGER_AFTER_FAILURE_S)
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.1)
+
+    sup = loop.create_task(supervise())
+    await server.serve()
+    sup.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sup
+    if not server.started and why["signal"] is None:
+        _say(f"cannot serve HTTP on {a.host}:{a.port} (see the error above)")
+        return 2
+    if why["signal"] is not None:
+        _say(f"{signal.Signals(why['signal']).name}: stopping")
+    return rc["rc"]
+
+
+def main(argv=None) -> int:
+    try:
+        a = parser().parse_args(argv)
+        check_args(a)
+        control = a.connect or a.control or f"tcp://127.0.0.1:{free_port()}"
+        cmd = None if a.connect else rank_command(a, control)
+    except (UsageError, ValueError) as e:
+        print(f"kog serve: error: {e}", file=sys.stderr)
+        return 2
+    proc = start_ranks(cmd) if cmd is not None else None
+    try:
+        rc = asyncio.run(_run(a, proc, control))
+    except KeyboardInterrupt:
+        rc = 0
+    finally:
+        if proc is not None:
+            code = stop_ranks(proc)
+            if code not in (0, None, -signal.SIGTERM) and proc.returncode is not None:
+                _say(f"the ranks exited with status {code}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
