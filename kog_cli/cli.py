@@ -11,7 +11,8 @@ import sys
 
 from kog_dist.checkpoint import CheckpointError, expected_tensors
 from kog_dist.config import ConfigError
-from kog_dist.tiny import default_model_dir, write_tiny_checkpoint
+from kog_dist.models import resolve_model
+from kog_dist.tiny import write_tiny_checkpoint
 from workers.oneshot import emit
 
 from .generate import generate_one_process, run_under_mpiexec
@@ -21,7 +22,8 @@ SUBCOMMANDS = {  # name -> (module, one-line help)
     "checkpoint": (None, "write test checkpoints (kog checkpoint tiny DIR ...)"),
     "bench": ("kog_cli.bench", "llama-bench style speed table (prefill, decode, GB/s, baselines)"),
     "client": ("kog_cli.client_cli", "talk to a running server: generate, health, stats, run SCRIPT.jsonl"),
-    "serve": ("workers.__main__", "run a rank (same as kog-worker; start it under mpiexec for several)"),
+    "serve": ("kog_cli.serve", "OpenAI-compatible HTTP server and playground (starts the ranks, or --connect)"),
+    "chat": ("kog_cli.chat", "interactive terminal chat (streams; a local server, or --connect)"),
     "topo": ("topology.cli", "machine topology report and rank placement plan"),
     "launch": ("launch.cli", "start ranks with the launcher that is present (mpiexec, mpirun, srun)"),
 }
@@ -39,6 +41,10 @@ def fail(msg: str, code: int = 2) -> int:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as argparse does, without the usage dump
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+MODEL_HELP = ("a Laneformer or Hugging Face (llama, mistral, qwen2) directory, a .gguf file (llama), or a "
+              "built-in name: smollm2-135m-instruct (the default, fetched once), tiny-random")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -60,10 +66,12 @@ def parse_ids(s: str, what: str = "--prompt-ids") -> list[int]:
 # -- kog generate --------------------------------------------------------------------------------
 def generate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kog generate", description="Decode one prompt and print the text (or --json).")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model", help=MODEL_HELP)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt", help="prompt text (a user turn of the model's chat template, if it has one)")
     g.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--raw", action="store_true", help="give --prompt to the model as it is (no chat template)")
+    p.add_argument("--system", help="a system message before the prompt (chat models)")
     add_sampling_flags(p)
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--np", type=int, default=1, dest="nranks", help="ranks (started under mpiexec)")
@@ -78,11 +86,7 @@ def cmd_generate(argv) -> int:
         a.prompt = "Hello"
     if a.nranks < 1:
         raise UsageError("--np must be >= 1")
-    if a.model is None:
-        a.model = default_model_dir()
-        if not a.json:
-            print(f"kog: no --model given: using the built-in tiny model ({a.model}), random weights, "
-                  f"so the text is noise", file=sys.stderr)
+    a.model = resolve_model(a.model)
     a.prompt_ids = parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
     a.stop_ids = parse_ids(a.stop_ids, "--stop-ids")
     if a.nranks > 1:

@@ -8,22 +8,22 @@ import subprocess
 import sys
 import time
 
-from kog_dist.config import load_config
+from kog_dist.formats import open_model
 from kog_dist.tokenizer import load_tokenizer
 from launch.cli import LaunchError, build_command, detect
 from workers.factory import make_backend, resolve
-from workers.oneshot import build_request, result_json
+from workers.oneshot import build_request, check_rank_count, result_json
 
 
 def generate_one_process(a) -> dict:
-    cfg = load_config(a.model)
-    tok = load_tokenizer(a.model, cfg)
-    ids, cmd = build_request(a, cfg, tok)        # refuse bad input before any weight is read
+    src = open_model(a.model)
+    tok = load_tokenizer(src)
+    ids, cmd = build_request(a, src.cfg, tok)     # refuse bad input before any weight is read
     kind = resolve(a.backend)
-    backend, cfg = make_backend(kind, a.model, max_seq=a.max_seq, num_slots=1)
+    backend, cfg = make_backend(kind, src, max_seq=a.max_seq, num_slots=1)
     stream = not a.json and sys.stdout.isatty()
     try:
-        res = backend.run(cmd, _streamer(tok) if stream else None)
+        res = backend.run(cmd, _streamer(tok, cmd.stop_ids + cfg.eos_token_ids) if stream else None)
     finally:
         backend.close()
     out = result_json(ids, res, tok, kind, 1, a.model)
@@ -31,26 +31,27 @@ def generate_one_process(a) -> dict:
     return out
 
 
-def _streamer(tok):
-    seen = []
+def _streamer(tok, terminal):
+    text = tok.stream()     # incremental: never splits a multi-byte character
 
     def on_token(t):
-        before = tok.decode(seen)
-        seen.append(t)
-        sys.stdout.write(tok.decode(seen)[len(before):])
-        sys.stdout.flush()
+        if t not in terminal:
+            sys.stdout.write(text.step(t))
+            sys.stdout.flush()
         return True
     return on_token
 
 
 def run_under_mpiexec(a) -> int:
     """`kog generate --np N`: the same request through N ranks; rank 0 prints the result."""
-    cfg = load_config(a.model)
-    tok = load_tokenizer(a.model, cfg)
+    src = open_model(a.model)
+    cfg = src.cfg
+    tok = load_tokenizer(src)
     build_request(a, cfg, tok)                    # bad input fails here, before any rank starts
-    cfg.lanes_of_rank(0, a.nranks)                # and so does a rank count that does not divide L
+    check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
+    src.close()
     req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
-                                      "top_p", "seed", "stop_ids", "max_seq", "json")}
+                                      "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system")}
     try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
         cmd = build_command(detect(), a.nranks, [
             sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,

@@ -69,7 +69,7 @@ def resolve_model(spec: str | None, *, fetch: bool = True, say=None) -> str:
         return path
     if os.path.exists(spec):
         return os.path.abspath(spec)
-    raise ModelNotFound(f"--model {spec}: no such file or directory, and not a built-in name "
+    raise ModelNotFound(f"model {spec} does not exist: not a file, a directory or a built-in name "
                         f"({', '.join(NAMES)})")
 
 

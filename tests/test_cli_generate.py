@@ -38,11 +38,28 @@ def test_generate_json_matches_reference(model):
     assert isinstance(out["text"], str)
 
 
-def test_generate_default_model_works_with_nothing_given(tmp_path):
+def test_generate_default_model_answers_with_nothing_given():
+    """The README's first command: the built-in SmolLM2 (fetched into the cache on first use) answers
+    through its chat template, greedy, and stops at its end of turn."""
+    r = kog("generate", "--prompt", "What is the capital of France?", "-n", "24", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "Paris" in out["text"], out["text"]
+    assert out["stats"]["stop_reason"] in ("eos", "stop")
+    raw = json.loads(kog("generate", "--prompt", "What is the capital of France?", "-n", "4", "--raw",
+                         "--json").stdout)
+    assert raw["prompt_tokens"] < out["prompt_tokens"]        # --raw: no template around the text
+
+
+def test_tiny_random_by_name(tmp_path):
     env = dict(os.environ, KOG_CACHE=str(tmp_path))
-    r = kog("generate", "--prompt", "Hello", "-n", "5", "--json", env=env)
+    r = kog("generate", "--model", "tiny-random", "--prompt", "Hello", "-n", "5", "--json", env=env)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["token_ids"]) == 5
+
+
+def test_one_lane_model_refuses_several_ranks():
+    one_line_error(kog("generate", "--np", "2", "--prompt", "Hi"), "one lane")
 
 
 def test_sampled_generate_is_reproducible(model):

@@ -1,6 +1,6 @@
 """`kog-worker` (also `python -m workers`, `kog serve`): the rank program.
 
-    mpiexec -n N kog-worker --model DIR --control tcp://127.0.0.1:5555
+    mpiexec -n N kog-worker --model PATH --control tcp://127.0.0.1:5555
 
 Each rank learns who it is from MPI, places itself (topology), loads only its lanes, joins the KCCL
 group and builds its backend. Rank 0 then serves the control plane; the others follow its commands.
@@ -20,7 +20,8 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kog-worker", description="One rank of a kog_dist job (start N under mpiexec).")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model", help="a Laneformer or Hugging Face directory, a .gguf file, or a built-in name "
+                   "(default: smollm2-135m-instruct, fetched once; tiny-random: a small random model)")
     p.add_argument("--control", default="tcp://127.0.0.1:5555", help="ZMQ endpoint rank 0 binds")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-seq", type=int, default=None, help="context limit (default: the model's)")
@@ -73,8 +74,9 @@ def run(a) -> int:
     from kccl.mpi_plain import allreduce_int, forbid_pickle
     from kccl.optional import mpi
     MPI = mpi()   # MpiMissing says in one line what to install
-    from kog_dist.config import load_config
-    from kog_dist.tiny import default_model_dir
+    from kog_dist.formats import open_model
+    from kog_dist.models import resolve_model
+    from .oneshot import check_rank_count
     from launch.discovery import require_single_node
 
     forbid_pickle()
@@ -82,9 +84,11 @@ def run(a) -> int:
     info = require_single_node(world)
     rank, size = info.rank, info.size
     _unlink_mpi_segments(world, info.local_rank)
-    model = a.model or _from_rank0(world, default_model_dir)   # the built-in model, made once
-    cfg = load_config(model)
-    lanes = cfg.lanes_of_rank(rank, size)            # refuses N not dividing num_lanes, before any weight
+    model = _from_rank0(world, lambda: resolve_model(a.model))   # a built-in model is fetched once, by rank 0
+    src = open_model(model, progress=None if rank == 0 else False)
+    cfg = src.cfg
+    check_rank_count(cfg, size)                      # refuses N the model cannot split into, before any weight
+    lanes = cfg.lanes_of_rank(rank, size)
     if not a.oneshot:   # and so does an endpoint rank 0 may not bind: on every rank (same arguments, same
         # node), so that every rank leaves with the error and none is left waiting in the next collective
         from kog_dist.coordinator import CurveKeys, check_endpoint
@@ -122,7 +126,7 @@ def run(a) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
     try:
-        backend, cfg = make_backend(kind, model, lanes=lanes, max_seq=a.max_seq,
+        backend, cfg = make_backend(kind, src, lanes=lanes, max_seq=a.max_seq,
                                     exchange=KcclExchange(comm) if size > 1 else None,
                                     agree=make_agree(comm), num_slots=max(1, a.slots),
                                     progress=None if rank == 0 else False, comm=gcomm or comm,
@@ -130,10 +134,10 @@ def run(a) -> int:
         if rank != 0 and not a.oneshot:
             return follow(backend, comm, log)
         if a.oneshot:
-            return _oneshot(a, model, cfg, backend, comm, kind)
+            return _oneshot(a, src, cfg, backend, comm, kind)
         log(f"{size} rank(s), backend {kind}, lanes {lanes.start}..{lanes.stop - 1} on rank 0, "
             f"binding {placed}")
-        return _serve(a, model, cfg, backend, comm)
+        return _serve(a, src, cfg, backend, comm)
     finally:
         if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
             gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
@@ -187,21 +191,22 @@ def _place(a, info) -> str:
     return f"{a.bind}: cores {done.get('cores')}, numa {done.get('numa')}, gpu {done.get('gpu')}"
 
 
-def _serve(a, model, cfg, backend, comm) -> int:
+def _serve(a, src, cfg, backend, comm) -> int:
     from kog_dist.coordinator import Coordinator
     from kog_dist.tokenizer import load_tokenizer
     from .rank import RankGroup
     group = RankGroup(backend, comm)
     keys = (a.curve_server_key, a.curve_clients) if a.curve_server_key else None
     try:
-        coord = Coordinator(a.control, group, load_tokenizer(model, cfg), cfg, allow_remote=a.allow_remote,
+        coord = Coordinator(a.control, group, load_tokenizer(src), cfg, allow_remote=a.allow_remote,
                             curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl)
+        coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve
         return coord.serve()
     finally:
         group.close()
 
 
-def _oneshot(a, model, cfg, backend, comm, kind) -> int:
+def _oneshot(a, src, cfg, backend, comm, kind) -> int:
     from kog_dist.tokenizer import load_tokenizer
     from .oneshot import build_request, emit, result_json
     from .rank import RankGroup, follow
@@ -209,14 +214,14 @@ def _oneshot(a, model, cfg, backend, comm, kind) -> int:
     req.max_seq = req.max_seq or a.max_seq
     if comm.rank != 0:
         return follow(backend, comm, log)
-    tok = load_tokenizer(model, cfg)
+    tok = load_tokenizer(src)
     group = RankGroup(backend, comm)
     try:
         ids, cmd = build_request(req, cfg, tok)
         res = group.run(cmd)
     finally:
         group.close()
-    out = result_json(ids, res, tok, kind, comm.size, model)
+    out = result_json(ids, res, tok, kind, comm.size, src.path)
     emit(out, req.json)
     return 0
 

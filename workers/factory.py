@@ -2,6 +2,11 @@
 ranks, when every rank sees one and the model suits the multi-rank kernel)."""
 from __future__ import annotations
 
+from kog_dist.checkpoint import Model
+from kog_dist.formats import open_model
+
+from .cpu_backend import CpuBackend
+
 
 def cuda_available() -> bool:
     try:
@@ -55,19 +60,20 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
     return "cuda", None
 
 
-def make_backend(kind: str, model_dir: str, lanes=None, max_seq=None, exchange=None, agree=None,
+def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=None,
                  num_slots: int = 4, progress=None, comm=None, prefill_chunk=None):
-    """Returns (backend, cfg). `lanes` is this rank's range (None: all); exchange/agree carry the lane
+    """Returns (backend, cfg). `src` is the opened model (kog_dist.formats.open_model: config and tensor
+    source) or a path to open; `lanes` is this rank's range (None: all); exchange/agree carry the lane
     sums and the go-on decision between ranks (None: one rank)."""
     kind = resolve(kind)
+    if isinstance(src, str):
+        src = open_model(src, progress=progress)
     if kind == "cuda":
         from .cuda.backend import CudaBackend
-        b = CudaBackend(model_dir, lanes=lanes, max_seq=max_seq, num_slots=num_slots, comm=comm,
+        b = CudaBackend(src, lanes=lanes, max_seq=max_seq, num_slots=num_slots, comm=comm,
                         progress=progress)
         return b, b.cfg
-    from kog_dist.checkpoint import Model
-    from .cpu_backend import CpuBackend
-    m = Model(model_dir, lanes, progress)
+    m = Model(src, lanes, progress)
     b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree, prefill_chunk)
     b.model = m
     return b, m.cfg

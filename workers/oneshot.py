@@ -9,8 +9,35 @@ from kog_dist.backend import RunCommand
 from kog_dist.sampling import SamplingParams
 
 
+def prompt_ids(a, tok) -> list[int]:
+    """--prompt-ids as given; --prompt through the model's chat template when it has one (a user turn,
+    after --system if given; --raw: the text as it is), else the text encoded with the tokenizer's own
+    bos rule."""
+    if a.prompt_ids is not None:
+        return list(a.prompt_ids)
+    if not getattr(a, "raw", False) and getattr(tok, "has_chat_template", False):
+        system = getattr(a, "system", None)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": a.prompt}]
+        return tok.encode_chat(messages)
+    return tok.encode(a.prompt)
+
+
+def end_of_turn_ids(cfg, tok) -> tuple[int, ...]:
+    """The tokenizer's end-of-turn ids that the config's eos does not already stop on."""
+    return tuple(i for i in getattr(tok, "eos_ids", ()) if i not in cfg.eos_token_ids and 0 <= i < cfg.vocab_size)
+
+
+def check_rank_count(cfg, nranks: int) -> None:
+    """A rank count the model can be split into (every rank owns whole lanes), or a one-line refusal."""
+    if cfg.num_lanes == 1 and nranks > 1:
+        raise ValueError(f"this model has one lane (a Llama-family decoder): its layers cannot be split by "
+                         f"lanes, so it runs on one rank, not {nranks}")
+    cfg.lanes_of_rank(0, nranks)
+
+
 def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
-    ids = list(a.prompt_ids) if a.prompt_ids is not None else tok.encode(a.prompt)
+    ids = prompt_ids(a, tok)
     if not ids:
         raise ValueError("empty prompt: give at least one token")
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
@@ -23,7 +50,7 @@ def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
     if a.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
     cmd = RunCommand(slot=0, keep=0, append=ids, max_new_tokens=a.max_new_tokens, sampling=sp,
-                     stop_ids=tuple(a.stop_ids))
+                     stop_ids=tuple(a.stop_ids) + end_of_turn_ids(cfg, tok))
     return ids, cmd
 
 
