@@ -11,6 +11,7 @@ import sys
 
 from kog_dist.checkpoint import CheckpointError, expected_tensors
 from kog_dist.config import ConfigError
+from kog_dist.formats.convert import convert
 from kog_dist.models import resolve_model
 from kog_dist.tiny import write_tiny_checkpoint
 from workers.oneshot import emit
@@ -98,8 +99,19 @@ def cmd_generate(argv) -> int:
 
 # -- kog checkpoint tiny ------------------------------------------------------------------------------
 def cmd_checkpoint(argv) -> int:
-    p = _Parser(prog="kog checkpoint", description="Write a random checkpoint in the spec's layout.")
+    p = _Parser(prog="kog checkpoint", description="Write checkpoints in the spec's layout: random ones "
+                "(tiny), or any model kog reads converted (convert).")
     sub = p.add_subparsers(dest="kind", required=True, parser_class=_Parser)
+    c = sub.add_parser("convert", help="write a Laneformer directory from a GGUF / HF / Laneformer model")
+    c.add_argument("src", help=MODEL_HELP)
+    c.add_argument("dst", help="new (or empty) directory")
+    c.add_argument("--dtype", default=None, type=str.upper, choices=("F32", "F16", "BF16"),
+                   help="storage type (default: the source's; quantized tensors become F32)")
+    if argv[:1] == ["convert"]:
+        a = p.parse_args(argv)
+        convert(resolve_model(a.src), a.dst, dtype=a.dtype)
+        print(f"wrote {a.dst} (Laneformer layout) from {a.src}")
+        return 0
     t = sub.add_parser("tiny", help="random weights (config.json + safetensors)")
     t.add_argument("dir")
     for flag, key in (("--layers", "num_hidden_layers"), ("--hidden", "hidden_size"), ("--lanes", "num_lanes"),
