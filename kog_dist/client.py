@@ -11,15 +11,23 @@
 `timeout` bounds every wait for a message from the server (the server sends progress messages while
 it decodes, so long generations do not trip it). A Client is for one thread; only ``cancel()`` may be
 called from another (it uses its own socket).
+
+Ownership: every Client sends a random owner token with its requests; the server lets only that
+token (or the connection itself) cancel them or use its sessions. ``Client(owner=other.owner)``
+shares an identity (another process, a reconnect). ``shutdown()`` sends the server's secret, read from
+the file the server wrote for this endpoint (kog_dist.control_auth); a CURVE client needs none.
 """
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import asdict, dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
+from .control_auth import read_secret
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_ids")
@@ -43,6 +51,16 @@ class ClientTimeout(TimeoutError):
 
 class ServerGone(ConnectionError):
     """The server closed the connection while a request was in flight (it stopped or crashed)."""
+
+
+class HandshakeRefused(ConnectionError):
+    """The server refused the connection's handshake (CURVE: a key it does not accept, or a mismatch
+    of security mechanisms); nothing was exchanged."""
+
+
+_OWNED_OPS = ("generate", "append", "open", "close", "cancel")
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass
@@ -86,14 +104,18 @@ class Client:
     """One connection (a DEALER socket) to a coordinator."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0, *, server_key=None,
-                 client_key=None):
+                 client_key=None, owner: str | None = None):
         P.endpoint_host(endpoint)                       # ValueError on a malformed endpoint
+        if owner is not None and not (isinstance(owner, str) and P.MIN_OWNER <= len(owner) <= P.MAX_ID_STR):
+            raise ValueError(f"owner must be a string of {P.MIN_OWNER}..{P.MAX_ID_STR} characters")
         self.endpoint, self.timeout = endpoint, float(timeout)
+        self.owner = owner or secrets.token_hex(16)
         self._keys = (server_key, client_key)
         self._ctx = zmq.Context.instance()
         self._sock = self._connect()
-        # Disconnect events: a server that dies mid-request (a killed job) fails the wait at once
-        self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # Disconnect events: a server that dies mid-request (a killed job) fails the wait at once;
+        # handshake failures: a refused CURVE key says so instead of reading like a crash or a timeout
+        self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self._ids = itertools.count(1)
         self._open_stream = None
 
@@ -129,19 +151,43 @@ class Client:
             raise ValueError("the client is closed")
         if self._open_stream is not None:
             self._open_stream.close()
-        while self._mon.poll(0):               # disconnects before this request do not count
-            self._mon.recv_multipart()
+        self._events()                          # disconnects before this request do not count
         rid = next(self._ids)
-        self._send_on(self._sock, P.packb({"v": P.VERSION, "id": rid, **msg}))
+        if msg.get("op") in _OWNED_OPS:
+            msg = {**msg, "owner": self.owner}
+        self._send_on(self._sock, P.packb({"v": P.VERSION, "id": rid, **msg}), self._mon)
         return rid
 
-    def _send_on(self, sock, data: bytes) -> None:
+    def _send_on(self, sock, data: bytes, mon=None) -> None:
         """Send, or ClientTimeout: a DEALER with no live connection (e.g. one a server refused) blocks."""
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout * 1000)))
         try:
             sock.send(data)
         except zmq.Again:
+            if mon is not None:
+                self._events(mon)               # HandshakeRefused if that is why
             raise ClientTimeout(f"cannot send to {self.endpoint} within {self.timeout:g} s (no connection)") from None
+
+    def _events(self, mon=None) -> bool:
+        """Drain a monitor socket: raise HandshakeRefused on a failed handshake; True if it disconnected."""
+        mon = mon or self._mon
+        gone = False
+        while mon.poll(0):
+            ev = recv_monitor_message(mon)
+            if ev["event"] & _HANDSHAKE_FAILED:
+                raise HandshakeRefused(self._refusal(ev["event"]))
+            gone = True
+        return gone
+
+    def _refusal(self, event) -> str:
+        curve = self._keys != (None, None)
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return f"the server at {self.endpoint} refused this client's CURVE key (not among its authorised clients)"
+        if not curve:
+            return (f"the handshake with {self.endpoint} failed: the server requires CURVE (give the server's "
+                    "public key and this client's secret key: --server-key, --client-key)")
+        return (f"the CURVE handshake with {self.endpoint} failed: the server does not use CURVE, or its key "
+                "is not the one given as --server-key")
 
     def _recv(self, want_id, sock=None, timeout=None) -> dict:
         """The next message for request `want_id` (older requests' leftovers are skipped)."""
@@ -152,12 +198,18 @@ class Client:
         poller.register(sock, zmq.POLLIN)
         if mon is not None:
             poller.register(mon, zmq.POLLIN)
+        gone = False
         while True:
-            ready = dict(poller.poll(int(timeout * 1000)))
-            if not ready:
-                raise ClientTimeout(f"no answer from {self.endpoint} within {timeout:g} s (is a server running there?)")
-            if sock not in ready and not sock.poll(200):   # a disconnect, and nothing left to read
-                raise ServerGone(f"the server at {self.endpoint} closed the connection (it stopped or crashed)")
+            ready = dict(poller.poll(200 if gone else int(timeout * 1000)))
+            if mon is not None and mon in ready:
+                gone = self._events(mon) or gone      # HandshakeRefused on a refused handshake
+            if sock not in ready:
+                if gone and not sock.poll(200):        # a disconnect, and nothing left to read
+                    raise ServerGone(f"the server at {self.endpoint} closed the connection (it stopped or crashed)")
+                if not ready:
+                    raise ClientTimeout(f"no answer from {self.endpoint} within {timeout:g} s "
+                                        "(is a server running there?)")
+                continue
             msg = P.unpackb(sock.recv(), P.MAX_REPLY_BYTES)
             if msg.get("id") != want_id:
                 continue
@@ -179,15 +231,18 @@ class Client:
     def stats(self) -> dict:
         return self._call("stats")
 
-    def shutdown(self) -> dict:
-        return self._call("shutdown")
+    def shutdown(self, secret: str | None = None) -> dict:
+        """Stop the server. `secret` defaults to the one the server left for this user and endpoint
+        (control_auth.read_secret); without it only a CURVE client may (else ServerError forbidden)."""
+        secret = secret or read_secret(self.endpoint)
+        return self._call("shutdown", **({"secret": secret} if secret else {}))
 
     def cancel(self, rid: int | None = None, session: str | None = None) -> list:
         """Cancel a request (by rid), a session's requests, or (neither) the running decode.
         Safe from any thread: it uses a socket of its own. Returns the rids it cancelled."""
         s = self._connect()
         try:
-            msg = {"v": P.VERSION, "id": 0, "op": "cancel"}
+            msg = {"v": P.VERSION, "id": 0, "op": "cancel", "owner": self.owner}
             if rid is not None:
                 msg["rid"] = rid
             if session is not None:

@@ -1,12 +1,22 @@
 """The coordinator on rank 0: a ZMQ ROUTER control plane in front of one executor (docs/protocol.md).
 
     coord = Coordinator("tcp://127.0.0.1:5555", executor, tokenizer, cfg, allow_remote=False,
-                        curve_keys=None, queue_limit=8, session_ttl_s=600)   # ControlError: refused
+                        curve_keys=None, queue_limit=8, session_ttl_s=600,
+                        session_ttl_max_s=600, max_client_sessions=8)   # ControlError: refused
     rc = coord.serve()   # 0 after SIGTERM/SIGINT or the shutdown op; 1 when the executor raised
 
 `executor` has the Backend interface of docs/interfaces.md (run, num_slots, max_seq); serve() never
 closes it. Call serve() from the main thread so it can take SIGTERM/SIGINT (drain and return 0) and
 SIGUSR1 (MPICH hydra's word that a rank died); `check_endpoint` refuses a bad --control up front.
+An executor with ``check_peers()`` (workers.rank.RankGroup: the ranks' heartbeats) is asked every
+``peer_check_s`` from the socket loop; when it raises, the job has failed (a frozen rank), whatever the
+decode thread is doing.
+
+Who may do what (docs/protocol.md): requests and sessions belong to the connection that made them, or
+to the owner token it sent (a client's other connections); only they may cancel or close them. A
+client holds at most ``queue_share`` queue places and ``max_client_sessions`` sessions. `shutdown`
+needs the secret this server writes 0600 into the runtime directory (control_auth.write_secret), or
+a CURVE-authenticated client.
 
 This file holds the ROUTER socket loop, signals, the decode thread, and parsing and sending messages;
 the request queue, sessions and KV-slot table are ``kog_dist.scheduler.Scheduler``, which Coordinator
@@ -35,9 +45,10 @@ import time
 import zmq
 
 from . import protocol as P
-from .control_auth import ControlError, CurveKeys, check_endpoint  # noqa: F401 (re-exported)
+from .control_auth import (ControlError, CurveKeys, check_endpoint, remove_secret,  # noqa: F401 (re-exported)
+                           secret_matches, write_secret)
 from .protocol import ProtocolError
-from .scheduler import (Scheduler, _encode, _lcp, _make_command, _pct, _Req,  # noqa: F401 (re-exported)
+from .scheduler import (Scheduler, _encode, _lcp, _make_command, _owner_key, _pct, _Req,  # noqa: F401
                         _Session, _Slot)
 from .textstream import TextStream, find_stop  # noqa: F401
 
@@ -46,9 +57,9 @@ class Coordinator(Scheduler):
     """Serve one executor (``run``, ``num_slots``, ``max_seq``) on a ZMQ ROUTER socket."""
 
     def __init__(self, endpoint, executor, tokenizer, cfg, *, allow_remote=False, curve_keys=None,
-                 queue_limit=8, session_ttl_s=600.0, max_sessions=256, probe_s=0.5,
-                 heartbeat_s=1.0, shutdown_grace_s=0.0, handle_signals=True,
-                 max_frame_bytes=P.MAX_FRAME_BYTES, log=None):
+                 queue_limit=8, session_ttl_s=600.0, session_ttl_max_s=600.0, max_sessions=256,
+                 max_client_sessions=8, probe_s=0.5, heartbeat_s=1.0, peer_check_s=0.25,
+                 shutdown_grace_s=0.0, handle_signals=True, max_frame_bytes=P.MAX_FRAME_BYTES, log=None):
         if isinstance(curve_keys, (tuple, list)):
             curve_keys = CurveKeys(*curve_keys)
         check_endpoint(endpoint, allow_remote, curve_keys)
@@ -58,7 +69,10 @@ class Coordinator(Scheduler):
         self.max_frame_bytes = max_frame_bytes
         self.log = log or (lambda msg: print(f"[coordinator] {msg}", file=sys.stderr, flush=True))
         self._init_book(executor, tokenizer, cfg, queue_limit=queue_limit, session_ttl_s=session_ttl_s,
-                        max_sessions=max_sessions)
+                        max_sessions=max_sessions, max_client_sessions=max_client_sessions,
+                        session_ttl_max_s=session_ttl_max_s)
+        self.peer_check_s, self._next_peer_check = peer_check_s, 0.0
+        self.secret_path = self.secret = None
         self.done_events = collections.deque()      # ("done", req, result) | ("failed", req, exc)
         self.jobs = collections.deque()
         self.jobs_cv = threading.Condition()
@@ -105,6 +119,11 @@ class Coordinator(Scheduler):
         except zmq.ZMQError as e:
             s.close(0)
             raise ControlError(f"cannot bind {self.endpoint}: {e}") from None
+        try:
+            self.secret_path, self.secret = write_secret(s.getsockopt_string(zmq.LAST_ENDPOINT))
+        except ControlError:
+            s.close(0)
+            raise
         self.sock = s
         self.bound = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self.wake_rx = self.ctx.socket(zmq.PULL)
@@ -157,10 +176,14 @@ class Coordinator(Scheduler):
                 signal.signal(sig, h)
             self.sock.close(linger=1000)        # flush the last replies (errors, results)
             self.wake_rx.close(0)
+            remove_secret(self.secret_path, self.secret)
             if self.auth is not None:
                 self.auth.stop()
             if not thread.is_alive():
                 self.ctx.term()
+            else:   # the decode thread is stuck on a frozen rank: close its wake-up socket under it and
+                # wait (up to the ROUTER's linger) for the last replies to leave before the process does
+                self.ctx.destroy(linger=0)
         self.log(f"stopped (exit {self.exit_code or 0})")
         return self.exit_code or 0
 
@@ -315,14 +338,10 @@ class Coordinator(Scheduler):
             msg["id"] = req["id"]
         self._send(ident, envelope, msg)
 
-    def _trusted(self, frame) -> bool:
-        if self.curve_keys is not None or P.endpoint_host(self.endpoint) is None:
-            return True
-        try:
-            peer = frame.get("Peer-Address")
-        except Exception:
-            return False
-        return P.is_loopback(f"tcp://{peer}:0") if peer else False
+    def _may_shut_down(self, req) -> bool:
+        # with CURVE every connected client passed the authenticator; otherwise the secret decides
+        # (loopback is no credential: any local user can reach it)
+        return self.curve_keys is not None or secret_matches(req.get("secret"), self.secret)
 
     def _on_request(self, ident, envelope, req, frame):
         op = req["op"]
@@ -333,8 +352,9 @@ class Coordinator(Scheduler):
         if self.draining:
             raise ProtocolError("shutting_down", "the server is shutting down")
         if op == "shutdown":
-            if not self._trusted(frame):
-                raise ProtocolError("forbidden", "shutdown is only accepted from loopback or authenticated clients")
+            if not self._may_shut_down(req):
+                raise ProtocolError("forbidden", "shutdown needs this server's secret (kog client shutdown reads "
+                                                 f"it from {self.secret_path}, as the same user) or a CURVE client")
             self._ok(ident, envelope, req, shutting_down=True)
             return self._begin_shutdown("shutdown op")
         if op == "open":
@@ -342,25 +362,33 @@ class Coordinator(Scheduler):
             if len(self.sessions) >= self.max_sessions:
                 raise ProtocolError("too_many_sessions",
                                     f"{len(self.sessions)} sessions are open (limit {self.max_sessions})")
-            s = _Session(secrets.token_hex(8), req.get("ttl_s", self.session_ttl_s))
+            if self._owned(self.sessions.values(), ident, req) >= self.max_client_sessions:
+                raise ProtocolError("too_many_sessions", f"this client holds {self.max_client_sessions} sessions, "
+                                                         "the most one client may; close one first")
+            s = _Session(secrets.token_hex(8), min(req.get("ttl_s", self.session_ttl_s), self.session_ttl_max_s),
+                         ident=ident, owner=_owner_key(ident, req))
             self.sessions[s.sid] = s
             self.counts["sessions_opened"] += 1
             return self._ok(ident, envelope, req, session=s.sid, ttl_s=s.ttl_s)
         if op == "close":
-            s = self._session(req["session"])
+            s = self._session_of(ident, req)
             cancelled = self._cancel(lambda r: r.session is s)
             del self.sessions[s.sid]
             if s.slot is not None and self.slots[s.slot].owner is s:
                 self.slots[s.slot].owner = None
             return self._ok(ident, envelope, req, closed=s.sid, cancelled=cancelled)
-        if op == "cancel":
+        if op == "cancel":   # only the caller's own requests (or its sessions')
             if "rid" in req:
+                for r in ([self.active] if self.active else []) + list(self.queue):
+                    if r.rid == req["rid"] and not self._mine(r, ident, req) and \
+                            not (r.session is not None and self._mine(r.session, ident, req)):
+                        raise ProtocolError("forbidden", f"request {r.rid} belongs to another client")
                 pick = lambda r: r.rid == req["rid"]
             elif "session" in req:
-                s = self._session(req["session"])
+                s = self._session_of(ident, req)
                 pick = lambda r: r.session is s
             else:
-                pick = lambda r: r is self.active
+                pick = lambda r: r is self.active and self._mine(r, ident, req)
             return self._ok(ident, envelope, req, cancelled=self._cancel(pick))
         self._accept(ident, envelope, req)
 
@@ -402,6 +430,14 @@ class Coordinator(Scheduler):
             # or a decode still stuck after 10 s, is failed here
             if self.active is None or now - self.peer_failed_at > 10.0:
                 self._backend_failed(self.active, RuntimeError("the launcher reported a failed rank (SIGUSR1)"))
+        check = getattr(self.executor, "check_peers", None)
+        if check is not None and self.exit_code != 1 and now >= self._next_peer_check:
+            self._next_peer_check = now + self.peer_check_s
+            try:
+                check()
+            except Exception as e:               # a frozen or vanished rank: the job is over
+                self._backend_failed(self.active, e)
+                return
         if now - getattr(self, "_last_expiry", 0.0) >= 1.0:
             self._last_expiry = now
             self._expire_sessions()

@@ -33,6 +33,7 @@ class _Req:
     new_ids: list
     text_prompt: bool
     session: object = None
+    owner: object = None         # _owner_key of the client that sent it (see Scheduler._mine)
     t_accept: float = field(default_factory=time.monotonic)
     position: int = 0
     cancel_reason: str | None = None   # set by the socket loop; read by on_token
@@ -62,6 +63,8 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
     pending: int = 0
     evictions: int = 0
+    ident: bytes = b""           # the connection that opened it
+    owner: object = None         # and its _owner_key
 
 
 @dataclass(eq=False)
@@ -69,6 +72,12 @@ class _Slot:
     tokens: list = field(default_factory=list)
     owner: object = None         # a _Session or None
     last_used: float = 0.0
+
+
+def _owner_key(ident, req):
+    """Whom a request or session belongs to: the client's owner token (any of its connections), else
+    the connection (ZMQ routing id) it came on."""
+    return ("owner", req["owner"]) if req.get("owner") else ("conn", ident)
 
 
 def _lcp(a, b) -> int:
@@ -90,9 +99,14 @@ def _pct(values) -> dict:
 class Scheduler:
     """Queue, sessions and slot table of one executor; mixed into ``Coordinator``."""
 
-    def _init_book(self, executor, tokenizer, cfg, *, queue_limit, session_ttl_s, max_sessions):
-        self.queue_limit, self.session_ttl_s = int(queue_limit), float(session_ttl_s)
-        self.max_sessions = max_sessions
+    def _init_book(self, executor, tokenizer, cfg, *, queue_limit, session_ttl_s, max_sessions,
+                   max_client_sessions=8, session_ttl_max_s=600.0):
+        self.session_ttl_max_s = float(session_ttl_max_s)
+        self.queue_limit, self.session_ttl_s = int(queue_limit), min(float(session_ttl_s), self.session_ttl_max_s)
+        self.max_sessions, self.max_client_sessions = max_sessions, int(max_client_sessions)
+        # one client holds at most this many queue places, so a flood (or a fast retry loop on busy)
+        # from one connection always leaves room for the others
+        self.queue_share = max(1, self.queue_limit // 2)
         self.vocab = getattr(cfg, "vocab_size", None)
         self.max_seq = int(executor.max_seq)
         self.eos = set(getattr(tokenizer, "eos_ids", ()) or ()) | set(getattr(cfg, "eos_token_ids", ()) or ())
@@ -113,6 +127,23 @@ class Scheduler:
             raise ProtocolError("no_session", f"no session {sid[:40]!r} (unknown, closed or expired)")
         return s
 
+    def _mine(self, thing, ident, req) -> bool:
+        """True when the caller (connection `ident`, request `req`) owns `thing` (a _Req or _Session):
+        the same connection, or the same owner token."""
+        return thing.ident == ident or thing.owner == _owner_key(ident, req)
+
+    def _owned(self, things, ident, req) -> int:
+        """How many of `things` the caller's connection or its owner token holds (caps count both,
+        so neither new tokens on one connection nor new connections with one token escape them)."""
+        key = _owner_key(ident, req)
+        return sum(1 for t in things if t.ident == ident or t.owner == key)
+
+    def _session_of(self, ident, req) -> _Session:
+        s = self._session(req["session"])
+        if not self._mine(s, ident, req):
+            raise ProtocolError("forbidden", f"session {s.sid} belongs to another client")
+        return s
+
     def _cancel(self, pick) -> list:
         out = []
         if self.active is not None and pick(self.active):
@@ -128,7 +159,7 @@ class Scheduler:
         return out
 
     def _accept(self, ident, envelope, req):
-        session = self._session(req["session"]) if "session" in req else None
+        session = self._session_of(ident, req) if "session" in req else None
         text_prompt = "prompt" in req
         if "messages" in req:
             try:
@@ -157,7 +188,12 @@ class Scheduler:
             self.counts["busy"] += 1
             raise ProtocolError("busy", f"a decode is running and {len(self.queue)} requests are queued "
                                         f"(limit {self.queue_limit})")
-        r = _Req(next(self.rids), ident, envelope, req["id"], req["op"], req, new_ids, text_prompt, session)
+        if busy and self._owned(self.queue, ident, req) >= self.queue_share:
+            self.counts["busy"] += 1
+            raise ProtocolError("busy", f"this client holds {self.queue_share} of the {self.queue_limit} queue "
+                                        "places, its share; retry when one of its requests starts")
+        r = _Req(next(self.rids), ident, envelope, req["id"], req["op"], req, new_ids, text_prompt, session,
+                 owner=_owner_key(ident, req))
         if session is not None:
             session.pending += 1
             session.last_used = time.monotonic()

@@ -73,7 +73,8 @@ def test_pipelined_session_requests_and_string_ids(model, ref):
 
 
 def test_close_and_cancel_by_session_while_running(slow):
-    with Client(slow.endpoint, timeout=10) as a, Client(slow.endpoint, timeout=10) as b:
+    # b: another connection of the same client (its owner token): it may cancel and close a's session
+    with Client(slow.endpoint, timeout=10, owner="o" * 16) as a, Client(slow.endpoint, timeout=10, owner="o" * 16) as b:
         s = a.session()
         st = s.stream(prompt_ids=PROMPT, max_new_tokens=300)
         next(st)

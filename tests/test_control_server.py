@@ -110,7 +110,7 @@ def test_queue_positions_and_busy(model):
                 c.generate(prompt_ids=PROMPT, max_new_tokens=3)
             assert e.value.code == "busy"
             assert c.health()["queue"] == 1
-            assert c.cancel(rid=sa.rid) == [sa.rid]
+            assert a.cancel(rid=sa.rid) == [sa.rid]                # only its owner may (test_control_hardening)
             list(sa)
             assert sa.result.stop_reason == "cancel"
             list(sb)
@@ -126,7 +126,7 @@ def test_queued_request_cancelled_gets_error(model):
             next(sa)
             sb = b.stream(prompt_ids=PROMPT, max_new_tokens=3)
             sb._step()
-            a.cancel(rid=sb.rid)
+            b.cancel(rid=sb.rid)
             with pytest.raises(ServerError) as e:
                 list(sb)
             assert e.value.code == "cancelled"
