@@ -12,9 +12,9 @@ from gguf.quants import dequantize
 
 from kog_dist.checkpoint import Model
 from kog_dist.formats import FormatError, open_model
-from kog_dist.formats.gguf_file import _Reader
+from kog_dist.formats.gguf_file import _Reader, _gguf_name
 
-from hf_reference import (HFLlama, gguf_name, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
+from hf_reference import (HFLlama, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
                           write_gguf, write_hf_dir)
 from test_engine_llama import LLAMA3, NEW, PROMPT, assert_same, run_ours
 
@@ -82,14 +82,9 @@ def test_loaded_weights_equal_gguf_dequantizer(tmp_path):
     src = open_model(path)
     r = gguf.GGUFReader(path)
     for rt in r.tensors:
-        lf = [n for n in src.names() if gguf_name_of(n) == rt.name][0]
+        lf = [n for n in src.names() if _gguf_name(n) == rt.name][0]
         mine = src.tensor(lf)
         assert np.array_equal(mine.reshape(-1), dequantize(rt.data, rt.tensor_type).reshape(-1)), rt.name
-
-
-def gguf_name_of(lf):
-    from kog_dist.formats.gguf_file import _gguf_name
-    return _gguf_name(lf)
 
 
 def _random_blocks(qtype, rows, cols, rng):

@@ -174,7 +174,7 @@ def test_refusals(tmp_path):
     # not a model at all
     _refused(str(tmp_path / "absent"), "does not exist")
     os.makedirs(tmp_path / "empty")
-    _refused(str(tmp_path / "empty"), "no config.json")
+    _refused(str(tmp_path / "empty"), "config.json")
     (tmp_path / "x.bin").write_bytes(b"hello")
     _refused(str(tmp_path / "x.bin"), "not a model file")
     (tmp_path / "y.gguf").write_bytes(b"hello")
