@@ -1,0 +1,109 @@
+"""Speculative decoding by prompt lookup (spec: "Sampling"; docs/interfaces.md).
+
+Agents rewrite what is already in their context, so a draft copied from the context after the longest
+earlier match of its last tokens is often right. One forward pass over the last sampled token and k
+draft tokens gives k + 1 rows of logits; position i's token is drawn exactly as the plain sampler
+draws it (sampling.sample with counter = its position), and draft token i is accepted while it equals
+that draw. With a point-mass draft this is speculative sampling's accept / resample rule (accept with
+probability p(d), else a draw from p without d), and more: the tokens are the plain decode's tokens,
+one for one, greedy or sampled under a seed, so every backend gives the same ids with or without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import SamplingParams, sample
+
+MAX_DRAFT = 8
+MAX_NGRAM = 4
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    method: str = "prompt_lookup"
+    k: int = MAX_DRAFT          # draft tokens per step at most (0: off)
+    ngram: int = MAX_NGRAM      # longest suffix looked up
+
+    def validate(self) -> "SpecParams":
+        if self.method != "prompt_lookup":
+            raise ValueError(f"speculative method {self.method!r} is not supported (prompt_lookup)")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= MAX_DRAFT:
+            raise ValueError(f"speculative k must be an integer in [0, {MAX_DRAFT}], got {self.k!r}")
+        if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or not 1 <= self.ngram <= 8:
+            raise ValueError(f"speculative ngram must be an integer in [1, 8], got {self.ngram!r}")
+        return self
+
+
+def lookup(context, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens,
+    n = max_ngram down to 1 (the longest match wins; ties: the latest)."""
+    ctx = np.asarray(context, dtype=np.int64)
+    T = ctx.size
+    if k <= 0 or T < 2:
+        return []
+    for n in range(min(max_ngram, T - 1), 0, -1):
+        tail = ctx[T - n:]
+        # windows ctx[s:s+n] for s in [0, T-n): an earlier occurrence with at least one token after it
+        win = np.lib.stride_tricks.sliding_window_view(ctx[:T - 1], n)
+        hits = np.flatnonzero((win == tail).all(axis=1))
+        if hits.size:
+            s = int(hits[-1]) + n
+            return [int(t) for t in ctx[s:s + k]]
+    return []
+
+
+class AdaptiveDraft:
+    """How many draft tokens to ask for next: fewer while drafts are rejected, none after a run of
+    rejections (then one probe every `probe_every` steps), back to k as they are accepted."""
+
+    def __init__(self, k: int, probe_every: int = 8):
+        self.k_max, self.k, self.probe_every = k, k, probe_every
+        self.misses, self.since_probe = 0, 0
+
+    def size(self) -> int:
+        if self.k > 0:
+            return self.k
+        self.since_probe += 1
+        return 1 if self.since_probe >= self.probe_every else 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.since_probe = 0
+        if accepted == drafted:
+            self.k, self.misses = min(self.k_max, max(1, self.k) * 2), 0
+        elif accepted == 0:
+            self.misses += 1
+            self.k = 0 if self.misses >= 3 else max(1, self.k // 2)
+        else:
+            self.k, self.misses = max(1, accepted + 1), 0
+
+
+def verify(logits_rows: np.ndarray, draft, params: SamplingParams, counter0: int) -> tuple[list[int], int]:
+    """Tokens for the k + 1 positions of one verify pass: rows[i] are the logits after the last
+    sampled token and draft[:i]; token i is drawn as the plain sampler draws it at counter0 + i.
+    Returns (tokens, accepted drafts): every accepted draft token, then the first token that differs
+    from its draft (or the bonus token after a fully accepted draft)."""
+    out = []
+    for i in range(len(draft) + 1):
+        t = sample(logits_rows[i], params, counter=counter0 + i)
+        out.append(t)
+        if i == len(draft) or t != draft[i]:
+            return out, i
+    raise AssertionError("unreachable")
+
+
+def step(engine, last: int, context, params: SamplingParams, draft_len: int,
+         max_ngram: int = MAX_NGRAM) -> tuple[list[int], int, int]:
+    """One verify pass on a reference engine whose cache holds `context` minus `last` (the last
+    sampled token, not yet fed). Returns (tokens, drafted, accepted); the cache is left holding `last`
+    and the accepted drafts, i.e. everything but the final token, as after plain steps. A caller that
+    stops early (EOS, stop id, max tokens) after token j truncates the cache to its position."""
+    draft = lookup(context, draft_len, max_ngram)
+    start = engine.pos
+    rows = engine.forward(np.asarray([last] + draft, dtype=np.int64), all_logits=True)
+    tokens, accepted = verify(rows, draft, params, counter0=start + 1)
+    engine.truncate(start + len(tokens))
+    return tokens, len(draft), accepted
