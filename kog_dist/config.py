@@ -153,9 +153,8 @@ class LaneformerConfig:
             raise ConfigError(f"model_type {mt!r} is not a Laneformer ('laneformer_tp')")
         known = {f.name for f in fields(cls)} - {"extra"}
         kw = {k: v for k, v in d.items() if k in known}
-        derived = d.get("head_dim_override") or (
-            d.get("hidden_size", 4096) // max(1, d.get("num_attention_heads", 32)))
-        if "head_dim" in d and d["head_dim"] not in (None, derived):
+        if d.get("head_dim") is not None and d["head_dim"] != (d.get("head_dim_override") or (
+                d.get("hidden_size", 4096) // max(1, d.get("num_attention_heads", 32)))):
             raise ConfigError(f"head_dim={d['head_dim']} disagrees with hidden_size/num_attention_heads "
                               f"(a different head_dim is given as head_dim_override)")
         try:
