@@ -288,3 +288,27 @@ def test_gpt2_pre_tokenizers(pre, want):
     ids = tok.encode("<|begin_of_text|>a<tool>b<|eot_id|>", add_bos=False)
     assert ids[0] == 0 and ids[-1] == 1 and 2 in ids
     assert tok.decode(ids) == "a<tool>b"               # user-defined tokens kept, control tokens skipped
+
+
+# ------------------------------------------------------------------------- llama.cpp's own references
+
+LLAMA_CPP_MODELS = os.environ.get("KOG_LLAMA_CPP_MODELS", "")   # llama.cpp's models/ (ggml-vocab-*.gguf)
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2", "starcoder", "refact",
+                                  "command-r", "mpt"])
+def test_llama_cpp_reference_vocabularies(name):
+    """llama.cpp's tokenizer test cases (inputs, and the ids HF's tokenizer gives them) on its
+    vocabulary-only GGUF files: every case must give the same ids here and round-trip."""
+    path = os.path.join(LLAMA_CPP_MODELS, f"ggml-vocab-{name}.gguf")
+    if not (LLAMA_CPP_MODELS and os.path.isfile(path + ".out")):
+        pytest.skip("set KOG_LLAMA_CPP_MODELS to a llama.cpp checkout's models/ directory to run it")
+    tok = load_tokenizer(gguf_source(path))
+    with open(path + ".inp", encoding="utf-8") as f:
+        cases = f.read().split("\n__ggml_vocab_test__\n")
+    with open(path + ".out", encoding="utf-8") as f:
+        wants = f.read().split("\n")
+    for text, want in zip(cases, wants):
+        ids = tok.encode(text, add_bos=False)
+        assert ids == [int(x) for x in want.split()], text
+        assert tok.decode(ids) == text
