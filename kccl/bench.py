@@ -11,7 +11,7 @@ in microseconds for:
     barrier
 
 `--compute-us U` busy-waits U µs between layers (stand-in for a layer's math). `--transport cuda_ipc`
-runs kccl.cuda_ipc.bench_main (fp16 device vectors: host calls, a persistent kernel, NCCL beside it;
+runs kccl.cuda_bench.bench_main (fp16 device vectors: host calls, a persistent kernel, NCCL beside it;
 docs/kccl-gpu.md); it exits 2 where CuPy or a GPU is missing.
 """
 
@@ -27,6 +27,10 @@ import time
 import numpy as np
 
 from . import optional
+from .communicator import Communicator
+from .cuda_bench import bench_main
+from .cuda_ipc import cupy_missing
+from .mpi_plain import forbid_pickle
 from .mpirun import find_mpiexec, launcher_env, under_mpi
 from .optional import mpi_missing
 
@@ -120,7 +124,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.transport == "cuda_ipc":
-        from .cuda_ipc import cupy_missing
         why = cupy_missing()
         if why is not None:
             print(f"kccl.bench: error: transport 'cuda_ipc' needs CuPy and a CUDA GPU, and this "
@@ -140,13 +143,9 @@ def main(argv=None) -> int:
     except optional.MpiMissing as exc:
         print(f"kccl.bench: error: {exc}", file=sys.stderr)
         return 2
-    from .mpi_plain import forbid_pickle
     forbid_pickle()
     if args.transport == "cuda_ipc":  # device buffers, host calls and a persistent kernel, NCCL beside
-        from .cuda_ipc import bench_main
         return bench_main(args)
-
-    from . import Communicator
 
     world = MPI.COMM_WORLD
     with Communicator.create(world, args.transport, max_floats=args.floats,

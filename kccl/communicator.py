@@ -22,10 +22,14 @@ import os
 import numpy as np
 
 from . import layout as L
+from .bootstrap import check_one_host, create_local_segments, open_segments
 from .errors import KcclError, unknown_tag
 from .channel import Channel, make_meta, read_meta
+from .cuda_ipc import create_or_explain
 from .doorbell import Doorbell
+from .layout import check_create_args
 from .liveness import PeerWatch
+from .rendezvous import as_rendezvous
 from .shm import register, unregister
 from .wait import BackoffPolicy, default_policy, wait_until
 
@@ -33,16 +37,6 @@ COLL = 0  # channel id of the blocking collectives
 COLL_DEPTH = 2
 OP_ALLREDUCE, OP_BROADCAST, OP_BARRIER, OP_POST = 1, 2, 3, 4
 OP_NAMES = {OP_ALLREDUCE: "allreduce", OP_BROADCAST: "broadcast", OP_BARRIER: "barrier", OP_POST: "post"}
-
-
-def check_create_args(depth: int, max_floats: int, tags) -> tuple:
-    """The arguments every transport's create() shares; returns the tags as a tuple."""
-    if depth < 1 or max_floats < 1:
-        raise ValueError("depth and max_floats must be >= 1")
-    tags = tuple(tags)
-    if len(set(tags)) != len(tags) or any(t.startswith("_") for t in tags):
-        raise ValueError(f"tags must be distinct and not start with '_': {tags}")
-    return tags
 
 
 class Handle:
@@ -100,15 +94,11 @@ class Communicator:
         timeout: default deadline (s) of every wait; math.inf waits forever (still sees dead peers).
         """
         if transport == "cuda_ipc":  # kccl/cuda_ipc.py: device buffers, CUDA IPC windows
-            from .cuda_ipc import create_or_explain
             return create_or_explain(mpi_comm, max_floats=max_floats, depth=depth, tags=tags,
                                      timeout=timeout)
         if transport != "shm":
             raise ValueError(f"unknown kccl transport {transport!r} (known: 'shm', 'cuda_ipc')")
         tags = check_create_args(depth, max_floats, tags)
-        from .bootstrap import check_one_host, open_segments
-        from .rendezvous import as_rendezvous
-
         rdv = as_rendezvous(mpi_comm)
         nlocal = check_one_host(rdv)
         channels = (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags)
@@ -126,8 +116,6 @@ class Communicator:
         Drive them from one thread in an order that cannot deadlock (e.g. post on every rank, then
         collect on every rank). The segment names are unlinked before this returns.
         """
-        from .bootstrap import create_local_segments
-
         channels = (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags)
         lay = L.SegmentLayout(nranks, 4 * max_floats, channels)
         return [cls(r, nranks, segs, lay, tags, depth, max_floats, timeout,

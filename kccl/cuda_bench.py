@@ -4,7 +4,6 @@ Under MPI, one rank per GPU or N ranks on one GPU under MPS: p50/p99 of the host
 post, collect delta posts later, barrier), of all-reduces and post/collect pairs inside the persistent
 test kernel (CudaCommunicator.run_rounds; the "kernel LL" rows: LL words, run_rounds(ll=True), on a tag
 of their own), and of NCCL's all-reduce beside it where NCCL can run.
-kccl.cuda_ipc re-exports bench_main.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import time
 
 import numpy as np
 
+from . import optional
+from .cuda_ipc import CudaCommunicator
 from .mpi_plain import allgather_json, bcast_str
 
 
@@ -36,11 +37,7 @@ def _share_nccl_id(world, uid):
 def bench_main(args) -> int:
     """`python -m kccl.bench --transport cuda_ipc`: run under MPI (one rank per GPU, or N ranks on one
     GPU under MPS). Rank r uses device r % device_count."""
-    import cupy as cp
-    from mpi4py import MPI
-
-    from .cuda_ipc import CudaCommunicator
-
+    cp, MPI = optional.cupy(), optional.mpi()
     world = MPI.COMM_WORLD
     ndev = cp.cuda.runtime.getDeviceCount()
     cp.cuda.Device(world.rank % ndev).use()
@@ -114,8 +111,7 @@ def bench_main(args) -> int:
                          "refuses two ranks on one device, so there is no NCCL number for this setup")
         else:
             try:
-                from cupy.cuda import nccl
-
+                nccl = optional.nccl()
                 uid = _share_nccl_id(world, nccl.get_unique_id() if comm.rank == 0 else None)
                 nc = nccl.NcclCommunicator(comm.size, uid, comm.rank)
                 s = cp.cuda.Stream(non_blocking=True)

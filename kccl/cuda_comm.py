@@ -21,12 +21,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from . import optional
 from .cuda_layout import (COLL, COLL_DEPTH, M_ACK, M_COPY, M_POST, M_SUM, M_WAIT, MAGIC, OP_ALLREDUCE,
                           OP_BARRIER, OP_BROADCAST, OP_POST, RECORD_BYTES, STATUS_WORDS, THREADS,
                           CudaLayout, _module, agree_or_raise, allgather_bytes, check_records, pack_record,
                           unpack_record)
 from .cuda_shared import release_ipc
 from .errors import KcclError, unknown_tag
+from .layout import check_create_args
+from .rendezvous import as_rendezvous
 from .shm import process_starttime, register, unregister
 
 
@@ -102,11 +105,7 @@ class CudaCore:
         max_floats: slot capacity in float32 (4*max_floats bytes: 2*max_floats fp16). depth: ring
         slots per DTP tag (>= delta+1). timeout: bound of every wait inside a kernel (s).
         """
-        import cupy as cp
-
-        from .rendezvous import as_rendezvous
-
-        from .communicator import check_create_args
+        cp = optional.cupy()
         tags = check_create_args(depth, max_floats, tags)
         rdv = as_rendezvous(mpi_comm)
         lay = CudaLayout(rdv.size, 4 * max_floats, (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags))
@@ -356,8 +355,7 @@ class CudaCore:
         if self.closed:
             return
         if self._error is None:
-            import cupy as cp
-
+            cp = optional.cupy()
             cp.cuda.runtime.deviceSynchronize()
             self._rdv.barrier()
         self.close()
@@ -389,8 +387,7 @@ class CudaCore:
             # for it forever) or the context faulted (every call fails): the process's exit frees all
             self._opened, self._own, self._host = [], 0, 0
             return
-        import cupy as cp
-
+        cp = optional.cupy()
         rt = cp.cuda.runtime
         release_ipc(self._opened, self._own)   # no kernel of ours may still use the mappings
         self._opened, self._own = [], 0
@@ -406,7 +403,7 @@ class CudaCore:
         """(SMs of this rank's GPU, ranks on it) for op_blocks; looked up once."""
         if getattr(self, "_share", None) is None:
             try:
-                import cupy as cp
+                cp = optional.cupy()
                 sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
             except Exception:  # noqa: BLE001 - unknown: no cap from it
                 sms = 0
@@ -416,15 +413,12 @@ class CudaCore:
     @property
     def _stream(self):
         """Launches go to the caller's current CuPy stream (ordered with the copies that made the inputs)."""
-        import cupy as cp
-
+        cp = optional.cupy()
         return cp.cuda.get_current_stream()
 
     @staticmethod
     def _cp():
-        import cupy as cp
-
-        return cp
+        return optional.cupy()
 
     def _check_usable(self) -> None:
         if self._error is not None:

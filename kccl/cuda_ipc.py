@@ -21,8 +21,7 @@ cuda_ipc`. `dev_ptr` / `dev_words()` give the KcclDev struct a monokernel needs 
 
 Files: this module holds the liveness and fault handling (`peer_gone`, `context_error`, and the
 `CudaCommunicator` methods `watch / check_kernel / fault / raise_for_status` plus `_finish`, the wait
-for a launched kernel) and `create`; it re-exports everything else, so `kccl.cuda_ipc` stays the one
-import for callers:
+for a launched kernel) and `create`. Import the rest from where it is defined:
 - kccl/cuda_layout.py: constants shared with kccl.cuh, CudaLayout, handle records, describe_status,
   the device source;
 - kccl/cuda_comm.py: CudaCore (allocation, handle exchange, mapping, the host ops and launches,
@@ -32,18 +31,13 @@ import for callers:
 
 from __future__ import annotations
 
+import threading
 import time
 
-from .cuda_bench import _pct, bench_main  # noqa: F401 (re-exported)
-from .cuda_comm import CudaCore, CudaHandle, _Chan, _Closer  # noqa: F401 (re-exported)
-from .cuda_layout import (  # noqa: F401 (re-exported: kccl.cuda_ipc is the transport's one import)
-    COLL, COLL_DEPTH, DEV_WORDS, DEVICE_DIR, ERR_ABORTED, ERR_EPOCH, ERR_OP_MISMATCH, ERR_SIZE_MISMATCH,
-    ERR_TIMEOUT_ACK, ERR_TIMEOUT_FLAG, ERROR_WORD_OFFSET, HEADER_BYTES, HERE, LINE, M_ACK, M_COPY, M_POST,
-    M_SUM, M_WAIT, MAGIC, MAX_CH, MAX_DEPTH, MAX_RANKS, META_BYTES, OP_ALLREDUCE, OP_BARRIER, OP_BROADCAST,
-    OP_NAMES, OP_POST, RECORD, RECORD_BYTES, STATUS_WORDS, THREADS, VERSION, CudaLayout, _module, _modules,
-    ack_needed, allgather_bytes, check_records, describe_status, device_source, last_arrival, pack_record,
-    ring_index, round_up, unpack_record)
-from .errors import KcclError, KcclTimeout, PeerLost  # noqa: F401 (KcclTimeout re-exported)
+from . import optional
+from .cuda_comm import CudaCore
+from .cuda_layout import describe_status
+from .errors import KcclError, PeerLost
 from .shm import process_alive
 
 
@@ -85,11 +79,7 @@ def context_error(device: int | None = None, wait_s: float = 1.0):
     CUDA call that blocks cannot stop the caller; raw runtime calls, no CuPy object whose destructor
     would print a traceback in a faulted context."""
     global _probe_thread
-    import threading
-
-    import cupy as cp
-
-    rt = cp.cuda.runtime
+    rt = optional.cupy().cuda.runtime
     if getattr(rt, "streamCreateWithFlags", None) is None:  # a runtime without it (a fake): no probe
         return None
     if _probe_thread is not None and _probe_thread.is_alive():
@@ -256,9 +246,7 @@ class CudaCommunicator(CudaCore):
 def cupy_missing() -> str | None:
     """Why this machine cannot run the transport (None: CuPy imports and sees a GPU)."""
     try:
-        import cupy as cp
-
-        if cp.cuda.runtime.getDeviceCount() < 1:
+        if optional.cupy().cuda.runtime.getDeviceCount() < 1:
             return "no CUDA device is visible"
     except Exception as exc:  # noqa: BLE001 - ImportError, CUDA driver errors
         return f"{type(exc).__name__}: {exc}"
@@ -278,6 +266,6 @@ def create_or_explain(mpi_comm=None, **kw) -> CudaCommunicator:
 create = create_or_explain
 
 
-__all__ = ["CudaCommunicator", "CudaHandle", "CudaLayout", "create", "last_arrival", "pack_record",
-           "unpack_record", "allgather_bytes", "describe_status", "device_source", "bench_main"]
+__all__ = ["CudaCommunicator", "context_error", "create", "create_or_explain", "cupy_missing", "one_line",
+           "peer_gone"]
 

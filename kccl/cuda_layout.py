@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 
 from . import layout as L
+from . import optional
 from .cuda_source import inline_sources
 from .errors import KcclError, KcclTimeout, PeerLost
 
@@ -227,8 +228,7 @@ _modules: dict = {}
 
 
 def _module():
-    import cupy as cp
-
+    cp = optional.cupy()
     dev = cp.cuda.Device().id
     if dev not in _modules:
         _modules[dev] = cp.RawModule(code=device_source(), options=("-std=c++17",), backend="nvrtc")

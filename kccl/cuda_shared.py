@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import optional
 from .cuda_layout import agree_or_raise, allgather_bytes
 from .errors import KcclError
 
@@ -23,8 +24,7 @@ class SharedBuffer:
     """`nbytes` of device memory on this rank; `ptrs[r]`: rank r's buffer as this rank addresses it."""
 
     def __init__(self, comm, nbytes: int):
-        import cupy as cp
-
+        cp = optional.cupy()
         rt = cp.cuda.runtime
         rdv = comm._rdv
         self.rank, self.size, self.nbytes = comm.rank, comm.size, int(nbytes)
@@ -57,8 +57,7 @@ class SharedBuffer:
 
     def view(self, offset: int, shape, dtype):
         """A CuPy array over this rank's own buffer at byte `offset`."""
-        import cupy as cp
-
+        cp = optional.cupy()
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if offset < 0 or offset + n > self.nbytes:
             raise ValueError(f"shared buffer view [{offset}, {offset + n}) outside its {self.nbytes} bytes")
@@ -68,8 +67,7 @@ class SharedBuffer:
     def copy_from(self, rank: int, offset: int, nbytes: int) -> None:
         """Bytes [offset, offset + nbytes) of rank `rank`'s buffer into the same place of this rank's, on
         the current stream (the caller orders the peer's writes before it, e.g. with comm.barrier())."""
-        import cupy as cp
-
+        cp = optional.cupy()
         if offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"shared buffer copy [{offset}, {offset + nbytes}) outside its {self.nbytes} bytes")
         if rank != self.rank and nbytes:
@@ -86,8 +84,7 @@ class SharedBuffer:
 def release_ipc(opened, own: int) -> None:
     """Wait for this device's work, close the peers' mapped allocations `opened` and free `own` (0: none).
     Errors are passed over: in a faulted context, free what can be freed."""
-    import cupy as cp
-
+    cp = optional.cupy()
     rt = cp.cuda.runtime
     _quiet(rt.deviceSynchronize)
     for ptr in opened:

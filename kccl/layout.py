@@ -100,3 +100,13 @@ class SegmentLayout:
     def layout_hash(self) -> int:
         text = f"{VERSION}|{self.nranks}|{self.payload_bytes}|{self.channels!r}"
         return zlib.crc32(text.encode()) | (VERSION << 32)
+
+
+def check_create_args(depth: int, max_floats: int, tags) -> tuple:
+    """The arguments every transport's create() shares; returns the tags as a tuple."""
+    if depth < 1 or max_floats < 1:
+        raise ValueError("depth and max_floats must be >= 1")
+    tags = tuple(tags)
+    if len(set(tags)) != len(tags) or any(t.startswith("_") for t in tags):
+        raise ValueError(f"tags must be distinct and not start with '_': {tags}")
+    return tags

@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
+from . import optional
 from .errors import KcclError
 from .mpi_plain import allreduce_int, bcast_str
 
@@ -27,16 +26,14 @@ class MpiRendezvous:
         return bcast_str(self.comm, text)
 
     def agree(self, ok: bool) -> bool:
-        from mpi4py import MPI
-
+        MPI = optional.mpi()
         return bool(allreduce_int(self.comm, int(ok), MPI.MIN))
 
     def barrier(self) -> None:
         self.comm.Barrier()
 
     def local_ranks(self) -> int:
-        from mpi4py import MPI
-
+        MPI = optional.mpi()
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         try:
             return local.Get_size()
@@ -92,7 +89,6 @@ def as_rendezvous(comm):
     if isinstance(comm, (MpiRendezvous, FileRendezvous)):
         return comm
     if comm is None:
-        from mpi4py import MPI
-
+        MPI = optional.mpi()
         comm = MPI.COMM_WORLD
     return MpiRendezvous(comm)

@@ -12,12 +12,17 @@ that says so instead of hanging later in a shared-memory handshake.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import numpy as np
+
+from kccl import optional
+from kccl.mpi_plain import allgather_json
 
 
 @dataclass(frozen=True)
@@ -39,11 +44,11 @@ class MultiNodeError(RuntimeError):
 
 
 def _mpi():
+    """mpi4py's MPI (kccl.optional: MPI_Init happens on first import), or None without a loadable MPI."""
     try:
-        from mpi4py import MPI  # noqa: WPS433 (import here: MPI_Init happens on first import)
-    except Exception:  # pragma: no cover - mpi4py is a dependency, but stay usable without it
+        return optional.mpi()
+    except optional.MpiMissing:
         return None
-    return MPI
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
@@ -120,7 +125,6 @@ def hosts_of(comm=None) -> list[str]:
     if MPI is None or not MPI.Is_initialized():
         return [socket.gethostname()]
     comm = MPI.COMM_WORLD if comm is None else comm
-    from kccl.mpi_plain import allgather_json
     return allgather_json(comm, MPI.Get_processor_name())
 
 
@@ -141,7 +145,6 @@ def require_single_node(comm=None) -> RankInfo:
     # One node holds everyone <=> every rank's node holds everyone, so all ranks branch alike.
     if info.local_size == info.size:
         return info
-    from kccl.mpi_plain import allgather_json
     leaders = allgather_json(comm, [leader, info.hostname])
     nodes: dict[int, list[int]] = {}
     names: dict[int, str] = {}
@@ -235,8 +238,6 @@ def physical_gpu(local_rank: int, env: Optional[Mapping[str, str]] = None) -> st
 
 def main(argv=None) -> int:
     """``python -m launch.discovery``: print this rank's layout (a launcher check)."""
-    import json
-    import sys
     try:
         info = require_single_node()
     except MultiNodeError as e:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from kccl import cuda_ipc as K
+from kccl import cuda_layout as CL
 from kccl.errors import KcclError, KcclTimeout, PeerLost
 from kccl.rendezvous import FileRendezvous
 
@@ -138,7 +139,7 @@ def _asarray(x, dtype=None):
 
 # ---- kernels: argument check against the C signature, then a Python model ------------------------
 def _signatures():
-    src = K.device_source()
+    src = CL.device_source()
     sigs = {}
     for m in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src):
         params = [p.strip() for p in m.group(2).replace("\n", " ").split(",")]
@@ -173,11 +174,11 @@ class Dev:
     """kccl.cuh's KcclDev read from memory, and the protocol in Python (one block)."""
 
     def __init__(self, dp):
-        w = [u64(dp + 8 * i).value for i in range(K.DEV_WORDS)]
+        w = [u64(dp + 8 * i).value for i in range(CL.DEV_WORDS)]
         self.base = w[:8]
         self.rank, self.n, self.nch, self.slot_bytes, self.payload = w[8:13]
         self.off_flags, self.off_acks, self.off_cnt, self.status, self.abort, self.timeout_ns, magic = w[13:20]
-        assert magic == K.MAGIC
+        assert magic == CL.MAGIC
         self.depth, self.slot_off = w[20:28], w[28:36]
 
     def flag(self, dst, c, src):
@@ -205,7 +206,7 @@ class Dev:
         t0 = time.monotonic_ns()
         while u64(addr).value < target:
             if i32(self.abort).value:
-                self.fail(K.ERR_ABORTED, peer, c, e, u64(addr).value)
+                self.fail(CL.ERR_ABORTED, peer, c, e, u64(addr).value)
                 return False
             if self.failed():
                 return False
@@ -218,7 +219,7 @@ class Dev:
     def post(self, c, e, src, nbytes, op):
         if e > self.depth[c]:
             for r in range(self.n):
-                if not self.spin_ge(self.ack(self.rank, c, r), e - self.depth[c], K.ERR_TIMEOUT_ACK, r, c, e):
+                if not self.spin_ge(self.ack(self.rank, c, r), e - self.depth[c], CL.ERR_TIMEOUT_ACK, r, c, e):
                     return False
         for r in range(self.n):
             m = self.meta(r, c, self.rank, e)
@@ -231,20 +232,20 @@ class Dev:
         return True
 
     def wait(self, c, e):
-        return all(self.spin_ge(self.flag(self.rank, c, s), e, K.ERR_TIMEOUT_FLAG, s, c, e) for s in range(self.n))
+        return all(self.spin_ge(self.flag(self.rank, c, s), e, CL.ERR_TIMEOUT_FLAG, s, c, e) for s in range(self.n))
 
     def check_meta(self, c, e, op, nbytes):
         for s in range(self.n):
             m = self.meta(self.rank, c, s, e)
             me, w = u64(m).value, u64(m + 8).value
             if me != e:
-                self.fail(K.ERR_EPOCH, s, c, e, me)
+                self.fail(CL.ERR_EPOCH, s, c, e, me)
                 return False
             if w >> 32 != op:
-                self.fail(K.ERR_OP_MISMATCH, s, c, e, w >> 32)
+                self.fail(CL.ERR_OP_MISMATCH, s, c, e, w >> 32)
                 return False
             if nbytes >= 0 and w & 0xFFFFFFFF != nbytes:
-                self.fail(K.ERR_SIZE_MISMATCH, s, c, e, w & 0xFFFFFFFF)
+                self.fail(CL.ERR_SIZE_MISMATCH, s, c, e, w & 0xFFFFFFFF)
                 return False
         return True
 
@@ -279,12 +280,12 @@ class Dev:
                 return (w & np.uint64(0xFFFFFFFF)).astype(np.uint32)
             seen = int(w[late[0]] >> np.uint64(32))
             if i32(self.abort).value:
-                self.fail(K.ERR_ABORTED, src, c, tag, seen)
+                self.fail(CL.ERR_ABORTED, src, c, tag, seen)
                 return None
             if self.failed():
                 return None
             if time.monotonic_ns() - t0 > self.timeout_ns:
-                self.fail(K.ERR_TIMEOUT_FLAG, src, c, tag, seen)
+                self.fail(CL.ERR_TIMEOUT_FLAG, src, c, tag, seen)
                 return None
             time.sleep(1e-5)
 
@@ -296,25 +297,25 @@ def k_op(args):
     d = Dev(dp)
     if d.failed():
         return
-    if mode & K.M_POST and not d.post(c, e, src, send, op):
+    if mode & CL.M_POST and not d.post(c, e, src, send, op):
         return
-    if not mode & K.M_WAIT:
+    if not mode & CL.M_WAIT:
         return
     if not d.wait(c, e) or not d.check_meta(c, e, op, expect):
         return
-    if op == K.OP_BROADCAST:
+    if op == CL.OP_BROADCAST:
         got = u64(d.meta(d.rank, c, root, e) + 8).value & 0xFFFFFFFF
         if got != nbytes:
-            d.fail(K.ERR_SIZE_MISMATCH, root, c, e, got)
+            d.fail(CL.ERR_SIZE_MISMATCH, root, c, e, got)
             return
-    if mode & K.M_SUM:
+    if mode & CL.M_SUM:
         dt = np.float32 if dtype == 0 else np.float16
         cnt = nbytes // np.dtype(dt).itemsize
         out = d.ranksum(c, e, dt, cnt).astype(dt)
         ctypes.memmove(dst, out.ctypes.data, nbytes)
-    elif mode & K.M_COPY:
+    elif mode & CL.M_COPY:
         ctypes.memmove(dst, d.meta(d.rank, c, root, e) + 64, nbytes)
-    if mode & K.M_ACK:
+    if mode & CL.M_ACK:
         d.ack_all(c, e)
 
 
@@ -466,9 +467,9 @@ def _fake_cupy():
 @pytest.fixture
 def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    K._modules.clear()
+    CL._modules.clear()
     yield
-    K._modules.clear()
+    CL._modules.clear()
 
 
 def _ranks(n, body, tmp_path, timeout=60):
@@ -639,7 +640,7 @@ def test_silent_rank_times_out_naming_it(fake_cupy, tmp_path):
             with pytest.raises(KcclTimeout, match=r"rank 0 timed out after 0.5 s waiting for rank 1's data "
                                                   r"on channel '_coll' epoch 1"):
                 comm.allreduce(cp.ones(4, cp.float32))
-            assert comm.status[:3] == [K.ERR_TIMEOUT_FLAG, 0, 1]
+            assert comm.status[:3] == [CL.ERR_TIMEOUT_FLAG, 0, 1]
             with pytest.raises(KcclTimeout):  # unusable from now on
                 comm.barrier()
         rdv.barrier()
@@ -681,7 +682,7 @@ def test_dead_peer_raises_peer_lost(fake_cupy, tmp_path):
             with pytest.raises(PeerLost, match=rf"rank 1 \(pid {gone.pid}\) exited \(noticed by rank 0"):
                 comm.allreduce(cp.ones(4, cp.float32))
             assert time.monotonic() - t0 < 5
-            assert comm.status[0] == K.ERR_ABORTED
+            assert comm.status[0] == CL.ERR_ABORTED
         rdv.barrier()
         comm.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .model import Gpu, Link, Machine, NumaNode, TopologyError, physical_bus_id
+from .model import Gpu, Link, Machine, NumaNode, TopologyError, parse_cpulist, physical_bus_id
 from .probe_amd import AmdInfo, load_amd_smi_json, probe_amd_live
 from .probe_nvml import NvmlInfo, probe_nvml
 from .probe_sysfs import PciDevice, SysfsInfo, read_sysfs
@@ -40,7 +40,6 @@ KNOWN_NAMES = {(0x10DE, 0x2335): "NVIDIA H200", (0x10DE, 0x233B): "NVIDIA H200 N
 
 def _cgroup_cpus() -> list[int] | None:
     """The CPUs of this process's cgroup v2 cpuset (what a rank may bind to), if readable."""
-    from .model import parse_cpulist
     try:
         with open("/proc/self/cgroup", encoding="ascii") as f:
             rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)

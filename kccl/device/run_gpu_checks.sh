@@ -40,7 +40,7 @@ info) { date -u; git log --oneline -1; nvidia-smi; $PY -c "import cupy, mpi4py; 
 mps) if timeout 20 nvidia-cuda-mps-control -d >"$OUT/mps.log" 2>&1; then MPS=1; fi; log "mps started=$MPS" ;;
 compile) run compile 90 $PY -c "
 import time, cupy; t=time.time()
-from kccl.cuda_ipc import _module; m=_module()
+from kccl.cuda_layout import _module; m=_module()
 for k in ('kccl_op','kccl_test_rounds','kccl_test_ll_rounds','kccl_peek'): m.get_function(k)
 print('nvrtc compile+load', round(time.time()-t,2), 's')" ;;
 smoke) run smoke 45 $MPI -n 2 $PY -c "$SMOKE"

@@ -162,7 +162,7 @@ def comm_kwargs(cfg, nranks: int, timeout: float = 30.0) -> dict:
 
 def window_bytes(cfg, nranks: int) -> int:
     """Bytes of one rank's IPC window (kccl.cuda_ipc.CudaLayout with comm_kwargs)."""
-    from kccl.cuda_ipc import COLL_DEPTH, CudaLayout
+    from kccl.cuda_layout import COLL_DEPTH, CudaLayout
     kw = comm_kwargs(cfg, nranks)
     lay = CudaLayout(nranks, 4 * kw["max_floats"], (("_coll", COLL_DEPTH),) + tuple((t, kw["depth"]) for t in TAGS))
     return lay.size
