@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=4, help="KV caches kept for sessions")
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the active one")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session expires")
+    p.add_argument("--session-ttl-max", type=float, default=600.0,
+                   help="the longest ttl_s a client may ask for (default 600 s)")
+    p.add_argument("--client-sessions", type=int, default=8, help="sessions one client may hold (default 8)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --control (needs CURVE keys)")
     p.add_argument("--curve-server-key", help="server secret key file (zmq.auth format)")
     p.add_argument("--curve-clients", help="directory of authorised client public keys")
@@ -125,20 +128,26 @@ def run(a) -> int:
         import signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+    hb = None
     try:
         backend, cfg = make_backend(kind, src, lanes=lanes, max_seq=a.max_seq,
                                     exchange=KcclExchange(comm) if size > 1 else None,
                                     agree=make_agree(comm), num_slots=max(1, a.slots),
                                     progress=None if rank == 0 else False, comm=gcomm or comm,
                                     prefill_chunk=max_floats // cfg.hidden_size)
+        if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
+            from .heartbeat import Heartbeat
+            hb = Heartbeat.start(world, log=log)
         if rank != 0 and not a.oneshot:
             return follow(backend, comm, log)
         if a.oneshot:
             return _oneshot(a, src, cfg, backend, comm, kind)
         log(f"{size} rank(s), backend {kind}, lanes {lanes.start}..{lanes.stop - 1} on rank 0, "
             f"binding {placed}")
-        return _serve(a, src, cfg, backend, comm)
+        return _serve(a, src, cfg, backend, comm, hb)
     finally:
+        if hb is not None:
+            hb.close()
         if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
             gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
         comm.close()
@@ -191,17 +200,25 @@ def _place(a, info) -> str:
     return f"{a.bind}: cores {done.get('cores')}, numa {done.get('numa')}, gpu {done.get('gpu')}"
 
 
-def _serve(a, src, cfg, backend, comm) -> int:
+def _serve(a, src, cfg, backend, comm, hb=None) -> int:
     from kog_dist.coordinator import Coordinator
     from kog_dist.tokenizer import load_tokenizer
     from .rank import RankGroup
-    group = RankGroup(backend, comm)
+    group = RankGroup(backend, comm, heartbeat=hb)
     keys = (a.curve_server_key, a.curve_clients) if a.curve_server_key else None
     try:
         coord = Coordinator(a.control, group, load_tokenizer(src), cfg, allow_remote=a.allow_remote,
-                            curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl)
+                            curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl,
+                            session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions)
         coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve
-        return coord.serve()
+        rc = coord.serve()
+        if hb is not None and hb.lost:
+            # a frozen rank: the clients were told; the decode thread may still wait in kccl on it, so
+            # neither tell the followers nor close the communicator under it: end the frozen rank
+            # (nothing else would) and leave (the followers see rank 0 gone and follow)
+            hb.kill_lost()
+            _leave(1)
+        return rc
     finally:
         group.close()
 

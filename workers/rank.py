@@ -53,10 +53,15 @@ def recv_message(comm) -> dict:
 class RankGroup:
     """Rank 0's view of the whole job, with the Backend interface the coordinator drives."""
 
-    def __init__(self, backend, comm):
-        self.backend, self.comm = backend, comm
+    def __init__(self, backend, comm, heartbeat=None):
+        self.backend, self.comm, self.heartbeat = backend, comm, heartbeat
         self.max_seq, self.num_slots = backend.max_seq, backend.num_slots
         self.closed = False
+
+    def check_peers(self) -> None:
+        """Raise when a rank stopped beating (workers.heartbeat); the coordinator asks from its loop."""
+        if self.heartbeat is not None:
+            self.heartbeat.check()
 
     def run(self, cmd: RunCommand, on_token=None) -> RunResult:
         # Refuse here, before the followers hear of it, so a bad request cannot desynchronise them.
