@@ -28,7 +28,6 @@ from launch.cli import LaunchError, build_command, detect, free_port
 from .gateway import MAX_BODY_BYTES, Gateway
 from .generate import _die_with_parent
 
-LINGER_AFTER_FAILURE_S = 5.0      # answer 503 this long after the ranks died, then exit 1
 
 
 class UsageError(ValueError):
@@ -63,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the running one (429 after)")
     p.add_argument("--bind", choices=("none", "cores", "numa"), default=None,
                    help="rank CPU binding (default: none for --np 1, cores otherwise)")
+    p.add_argument("--failure-linger-s", type=float, default=5.0,
+                   help="after the ranks died: answer 503 this long, then exit 1")
     p.add_argument("--server-key", help="with --connect: the server's CURVE public key file")
     p.add_argument("--client-key", help="with --connect: this client's CURVE secret key file")
     return p
@@ -191,10 +192,10 @@ async def _run(a, proc, control) -> int:
         while proc is not None and not server.should_exit:
             if proc.poll() is not None:
                 gw.fail(f"the rank job exited with status {proc.returncode}")
-                _say(f"the ranks exited ({proc.returncode}); answering 503 for {LINGER_AFTER_FAILURE_S:g} s, "
+                _say(f"the ranks exited ({proc.returncode}); answering 503 for {a.failure_linger_s:g} s, "
                      f"then exiting 1")
                 rc["rc"] = 1
-                await asyncio.sleep(LINGER_AFTER_FAILURE_S)
+                await asyncio.sleep(a.failure_linger_s)
                 server.should_exit = True
                 return
             await asyncio.sleep(0.1)

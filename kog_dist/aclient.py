@@ -9,10 +9,11 @@
     await req.cancel()                                          # stop the decode (the result still comes)
     await c.close()
 
-One DEALER socket carries every request; a reader task routes each reply by its `id` to the request's
-own queue, so a slow consumer never delays the others (its messages wait in its queue). Cancelling
-goes over the same connection, so the coordinator sees the owner of the request asking. When the
-connection to the server drops, every request in flight raises ``ServerGone`` at once.
+Each request in flight has a DEALER connection of its own from a pool (the coordinator caps what one
+connection holds: half its queue, a few sessions); reader tasks route each reply by its `id` to the
+request's own queue, so a slow consumer never delays the others (its messages wait in its queue).
+Cancelling goes over the request's connection, so the coordinator sees the request's owner asking.
+When the server's connections drop, every request in flight raises ``ServerGone`` at once.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ _FINAL = ("result", "error")
 class AsyncRequest:
     """The replies of one request, in order; iteration ends after the `result` (an `error` raises)."""
 
-    def __init__(self, client: "AsyncClient", rid: int):
-        self.client, self.id = client, rid
+    def __init__(self, client: "AsyncClient", rid: int, conn: "_Conn", owns_conn: bool = True):
+        self.client, self.id, self.conn, self.owns_conn = client, rid, conn, owns_conn
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rid = None                      # the server's request number, from `accepted`
         self.done = False
@@ -64,16 +65,20 @@ class AsyncRequest:
             self._end()
         return msg
 
-    def _end(self):
-        self.done = True
-        self.client._pending.pop(self.id, None)
+    def _end(self, reuse=True):
+        if not self.done:
+            self.done = True
+            self.client._pending.pop(self.id, None)
+            if self.owns_conn:
+                self.client._release(self.conn, reuse)
 
     async def cancel(self) -> list:
-        """Ask the server to stop this request (running: at the next token; queued: dropped)."""
+        """Ask the server to stop this request (running: at the next token; queued: dropped). It goes
+        over the request's own connection: the coordinator takes cancels from a request's owner."""
         if self.done or self.rid is None:
             return []
         try:
-            r = await self.client.call("cancel", rid=self.rid, timeout=5.0)
+            r = await self.client.call("cancel", rid=self.rid, timeout=5.0, _conn=self.conn)
         except (ServerError, ClientTimeout, ServerGone):
             return []
         return r.get("cancelled", [])
@@ -81,67 +86,86 @@ class AsyncRequest:
     def abandon(self) -> None:
         """Stop listening, and cancel on the server without waiting (for a task being torn down)."""
         if not self.done:
-            rid = self.rid
-            self._end()
-            self.queue.put_nowait(StopAsyncIteration())    # wakes a consumer waiting for the next message
-            if rid is not None:
+            if self.rid is not None:
                 try:
-                    self.client.send_nowait({"op": "cancel", "rid": rid})
+                    self.client._send_on(self.conn, {"op": "cancel", "rid": self.rid}, next(self.client._ids))
                 except (ClientTimeout, ServerGone):
                     pass
+            # the connection can serve again: the leftover replies carry an id nobody waits for
+            self._end()
+            self.queue.put_nowait(StopAsyncIteration())    # wakes a consumer waiting for the next message
+
+
+class _Conn:
+    """One DEALER socket and the task that routes its replies."""
+
+    def __init__(self, client: "AsyncClient"):
+        s = client._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 200)            # a last cancel still leaves when the socket closes
+        s.setsockopt(zmq.MAXMSGSIZE, P.MAX_REPLY_BYTES)
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        host = P.endpoint_host(client.endpoint)
+        if host and ":" in host:
+            s.setsockopt(zmq.IPV6, 1)
+        _curve(s, *client._keys)
+        s.connect(client.endpoint)
+        self.sock, self.busy = s, 0
+        self.task = asyncio.get_running_loop().create_task(client._read(s))
+
+    def close(self, linger=0):
+        self.task.cancel()
+        self.sock.close(linger)
 
 
 class AsyncClient:
-    """One DEALER connection shared by any number of concurrent requests (all on one event loop)."""
+    """Connections to one coordinator, shared by any number of concurrent requests (one event loop).
+
+    Every request in flight has a connection of its own, taken from a pool: the coordinator caps what
+    one connection may hold (its share of the queue, its sessions), and a gateway carries many clients.
+    """
+
+    MAX_IDLE = 32
 
     def __init__(self, endpoint: str, timeout: float = 30.0, *, server_key=None, client_key=None):
         P.endpoint_host(endpoint)                       # ValueError on a malformed endpoint
         self.endpoint, self.timeout = endpoint, float(timeout)
         self._keys = (server_key, client_key)
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._mon = None
-        self._tasks = []
+        self._main = self._mon = None
+        self._idle: list[_Conn] = []
+        self._all: set[_Conn] = set()
+        self._watch_task = None
         self._ids = itertools.count(1)
         self._pending: dict[int, AsyncRequest] = {}
         self.connected = False
 
     async def start(self) -> "AsyncClient":
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, P.MAX_REPLY_BYTES)
-        s.setsockopt(zmq.SNDHWM, 100_000)
-        s.setsockopt(zmq.RCVHWM, 100_000)
-        host = P.endpoint_host(self.endpoint)
-        if host and ":" in host:
-            s.setsockopt(zmq.IPV6, 1)
-        _curve(s, *self._keys)
-        self._mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        s.connect(self.endpoint)
-        self._sock = s
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        self._main = _Conn(self)
+        # connect/disconnect events of the main connection: when the server goes, every connection does
+        self._mon = self._main.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
         return self
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._tasks = []
-        if self._sock is not None:
-            self._sock.disable_monitor()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
+        if self._main is not None:
+            self._main.sock.disable_monitor()
             self._mon.close(0)
-            self._sock.close(0)
-            self._sock = None
+            self._main.close()
+            self._main = None
+        for c in list(self._all):
+            c.close()
+        self._all.clear()
+        self._idle.clear()
         self._fail_all(ServerGone("the client is closed"))
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _read(self):
+    async def _read(self, sock):
         while True:
-            data = await self._sock.recv()
+            data = await sock.recv()
             try:
                 msg = P.unpackb(data, P.MAX_REPLY_BYTES)
             except P.ProtocolError:
@@ -158,7 +182,7 @@ class AsyncClient:
                 self.connected = True
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
-                # the replies of requests sent on the old connection can never arrive
+                # the replies of requests sent on the old connections can never arrive
                 self._fail_all(ServerGone(f"the server at {self.endpoint} closed the connection "
                                           f"(it stopped or crashed)"))
 
@@ -166,41 +190,61 @@ class AsyncClient:
         for req in list(self._pending.values()):
             req.queue.put_nowait(exc)
 
-    def send_nowait(self, msg: dict) -> int:
-        """Send one request without waiting; returns its id. ClientTimeout when the send would block."""
-        if self._sock is None:
+    def _take(self) -> _Conn:
+        if self._main is None:
             raise ServerGone("the client is closed")
-        rid = next(self._ids)
+        c = self._idle.pop() if self._idle else None
+        if c is None:
+            c = _Conn(self)
+            self._all.add(c)
+        return c
+
+    def _release(self, conn: _Conn, reuse: bool):
+        if conn is self._main or conn not in self._all:
+            return
+        if reuse and len(self._idle) < self.MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            self._retire(conn)
+
+    def _retire(self, conn: _Conn):
+        if conn in self._all:
+            self._all.discard(conn)
+            if conn in self._idle:
+                self._idle.remove(conn)
+            conn.close(linger=200)
+
+    def _send_on(self, conn: _Conn, msg: dict, rid: int):
         try:
-            self._sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}), zmq.NOBLOCK)
+            conn.sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}), zmq.NOBLOCK)
         except zmq.Again:
             raise ClientTimeout(f"cannot send to {self.endpoint} (no connection)") from None
-        return rid
 
-    def request(self, msg: dict) -> AsyncRequest:
-        """Send a request now; iterate the returned AsyncRequest for its replies."""
-        if self._sock is None:
-            raise ServerGone("the client is closed")
+    def request(self, msg: dict, _conn: _Conn | None = None) -> AsyncRequest:
+        """Send a request now (on a connection of its own); iterate the AsyncRequest for its replies."""
+        conn = _conn or self._take()
         rid = next(self._ids)
-        req = AsyncRequest(self, rid)
+        req = AsyncRequest(self, rid, conn, owns_conn=_conn is None)
         self._pending[rid] = req
         try:
-            self._sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}), zmq.NOBLOCK)
-        except zmq.Again:
-            req._end()
-            raise ClientTimeout(f"cannot send to {self.endpoint} (no connection)") from None
+            self._send_on(conn, msg, rid)
+        except ClientTimeout:
+            req._end(reuse=False)
+            raise
         return req
 
-    async def call(self, op: str, timeout: float | None = None, **fields) -> dict:
+    async def call(self, op: str, timeout: float | None = None, _conn: _Conn | None = None, **fields) -> dict:
         """A one-reply op (health, stats, open, close, cancel, shutdown): the reply's fields."""
+        if self._main is None:
+            raise ServerGone("the client is closed")
         t = self.timeout if timeout is None else float(timeout)
-        req = self.request({"op": op, **fields})
+        req = self.request({"op": op, **fields}, _conn=_conn or self._main)
         try:
             msg = await asyncio.wait_for(req.__anext__(), t)
         except asyncio.TimeoutError:
             raise ClientTimeout(f"no answer from {self.endpoint} within {t:g} s") from None
         finally:
-            req._end()
+            req._end(reuse=False)
         for k in ("v", "id", "type"):
             msg.pop(k, None)
         return msg

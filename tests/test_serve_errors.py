@@ -1,0 +1,185 @@
+"""`kog serve`'s error paths with raw HTTP (httpx): bad bodies, refused parameters, 404, the context
+limit, 429 + Retry-After under a flood (every accepted request completed), 503 while the coordinator is
+not there yet and after the ranks died, a disconnect mid-stream cancelling the decode, API keys, and a
+clean SIGTERM. The gateway runs with --connect in front of a throttled coordinator (tokens every 20 ms)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import Coordinator, Proc, Serve, kog, shm_names, tiny_model
+
+DELAY = 0.02
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("serr") / "m")
+
+
+@pytest.fixture(scope="module")
+def coord(model):
+    with Coordinator(model, delay=DELAY, queue_limit=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def url(coord):
+    with Serve("--connect", coord.endpoint, "--max-body-bytes", "65536", "--served-model-name", "m") as s:
+        yield s.url
+
+
+def _post(url, path, body, **kw):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=30, **kw)
+
+
+def _err(r, status):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    return e
+
+
+def test_bad_bodies_and_parameters(url):
+    _err(_post(url, "/v1/completions", b"{not json"), 400)
+    _err(_post(url, "/v1/completions", b"[1, 2]"), 400)
+    e = _err(_post(url, "/v1/completions", {"prompt": "x", "temperature": "hot"}), 400)
+    assert e["param"] == "temperature"
+    assert _err(_post(url, "/v1/completions", {"prompt": "x", "max_tokens": -1}), 400)["param"] == "max_tokens"
+    assert _err(_post(url, "/v1/chat/completions", {"messages": "hi"}), 400)["param"] == "messages"
+    assert _err(_post(url, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+                400)["param"] == "messages"
+    assert _err(_post(url, "/v1/completions", {"prompt": "x", "n": 2}), 400)["param"] == "n"
+    assert _err(_post(url, "/v1/completions", {"prompt": "x", "stop": [1]}), 400)["param"] == "stop"
+    assert _err(_post(url, "/v1/completions", {"prompt": 5}), 400)["param"] == "prompt"
+    # a body over --max-body-bytes, announced or not
+    _err(_post(url, "/v1/completions", {"prompt": "x" * 70000}), 413)
+    # unknown fields are ignored
+    r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0, "frobnicate": {"a": 1},
+                                       "user": "me"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_model_and_context_limit(url):
+    e = _err(_post(url, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404)
+    assert e["code"] == "model_not_found"
+    assert httpx.get(url + "/v1/models/gpt-9").status_code == 404
+    e = _err(_post(url, "/v1/completions", {"prompt": "y" * 1100, "max_tokens": 2}), 400)   # max_seq 1024
+    assert e["code"] == "context_length_exceeded"
+    assert httpx.get(url + "/nope").status_code == 404
+
+
+async def _flood(url, n):
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {"prompt": "flood", "max_tokens": 6, "temperature": 0}
+        return await asyncio.gather(*[c.post(url + "/v1/completions", json=body) for _ in range(n)])
+
+
+def test_flood_gets_429_and_every_accepted_request_completes(url):
+    rs = asyncio.run(_flood(url, 10))
+    codes = sorted(r.status_code for r in rs)
+    ok, busy = [r for r in rs if r.status_code == 200], [r for r in rs if r.status_code == 429]
+    assert len(ok) + len(busy) == 10, codes
+    assert 3 <= len(ok) < 10 and busy, codes          # 1 running + 2 queued at least
+    for r in busy:
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    texts = {r.json()["choices"][0]["text"] for r in ok}
+    assert len(texts) == 1 and all(r.json()["usage"]["completion_tokens"] == 6 for r in ok)
+
+
+def test_disconnect_mid_stream_cancels_and_the_next_is_served_at_once(url, coord):
+    from kog_dist.client import Client
+    with Client(coord.endpoint, timeout=10) as c:
+        before = c.stats()
+    body = {"prompt": "long", "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                n += line.startswith("data: ")
+                if n >= 3:
+                    break
+        # leaving the block closes the connection mid-stream
+    t0 = time.monotonic()
+    r = _post(url, "/v1/completions", {"prompt": "next", "max_tokens": 1, "temperature": 0})
+    took = time.monotonic() - t0
+    assert r.status_code == 200 and took < 0.5, took    # not behind the 10 s of the abandoned decode
+    with Client(coord.endpoint, timeout=10) as c:
+        after = c.stats()
+    assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
+    # the abandoned decode stopped within a few tokens of the disconnect (1 more for "next")
+    assert after["tokens_generated"] - before["tokens_generated"] <= n + 6
+
+
+def test_503_until_the_coordinator_answers(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    gw = Serve("--connect", endpoint, wait=False)
+    try:
+        base = gw.wait_http()
+        r = httpx.get(base + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        e = _err(_post(base, "/v1/completions", {"prompt": "x"}), 503)
+        assert e["code"] == "loading"
+        worker = Proc([sys.executable, "-m", "workers", "--model", model, "--control", endpoint, "--bind", "none",
+                       "--backend", "cpu"])
+        try:
+            gw.wait_ready(30)
+            r = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+        finally:
+            assert worker.stop() == 0
+        deadline = time.monotonic() + 5
+        while httpx.get(base + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(base + "/health").json()["status"] == "down"
+        assert _err(_post(base, "/v1/completions", {"prompt": "x"}), 503)["code"] == "down"
+    finally:
+        assert gw.stop() == 0
+
+
+def test_rank_death_gives_503_then_exit_1_and_sigterm_is_clean(model):
+    before = shm_names()
+    with Serve("--model", model, "--backend", "cpu", "--failure-linger-s", "1") as s:
+        assert _post(s.url, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+        (rank,) = s.rank_pids()
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while httpx.get(s.url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        e = _err(_post(s.url, "/v1/completions", {"prompt": "x"}), 503)
+        assert e["code"] == "failed" and "exited" in e["message"]
+        assert s.proc.wait(15) == 1
+    s2 = Serve("--model", model, "--backend", "cpu")
+    assert s2.rank_pids()
+    assert s2.stop(signal.SIGTERM) == 0 and "SIGTERM: stopping" in s2.err.text()
+    assert not s2.rank_pids()
+    assert not {n for n in shm_names() - before if n.startswith(("kccl", "mpich"))}
+
+
+def test_api_key_and_non_loopback_host(model, coord):
+    out = Proc(kog("serve", "--connect", coord.endpoint, "--host", "0.0.0.0", "--port", "0"))
+    assert out.proc.wait(30) == 2
+    err = out.err.text().strip().splitlines()
+    assert len(err) == 1 and "--api-key" in err[0] and "Traceback" not in out.err.text()
+    with Serve("--connect", coord.endpoint, "--api-key", "s3cret") as s:
+        body = {"prompt": "x", "max_tokens": 1}
+        assert _err(_post(s.url, "/v1/completions", body), 401)["code"] == "invalid_api_key"
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        assert httpx.get(s.url + "/health").status_code == 200
