@@ -156,7 +156,13 @@ def load_tokenizer(src, cfg: LaneformerConfig | None = None):
     `src.model_dir`, `src.gguf_fields`). The older call load_tokenizer(model_dir, cfg) still takes a
     Laneformer directory. Raises ValueError (one line) for a tokenizer that cannot serve the model."""
     if isinstance(src, (str, os.PathLike)):
-        src = SimpleNamespace(kind="laneformer", cfg=cfg, model_dir=os.fspath(src), gguf_fields={})
+        path = os.fspath(src)
+        if not os.path.isdir(path):
+            raise ValueError(f"{path}: give load_tokenizer the model source of a model file "
+                             f"(kog_dist.formats.open_model)")
+        mt = _read_json(os.path.join(path, "config.json")).get("model_type")
+        kind = "laneformer" if mt in (None, "laneformer_tp", "laneformer") else "hf"
+        src = SimpleNamespace(kind=kind, cfg=cfg, model_dir=path, gguf_fields={})
     cfg = cfg if cfg is not None else src.cfg
     kind = getattr(src, "kind", None)
     if kind == "gguf":

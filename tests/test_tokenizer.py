@@ -196,3 +196,16 @@ def test_coordinator_follows_the_tokenizers_add_bos(tmp_path):
     with Server(backend, tok, cfg) as srv, Client(srv.endpoint, timeout=10) as c:
         assert c.generate(prompt="hello world", max_new_tokens=1).stats["prefill_tokens"] == n
         assert c.generate(prompt="hello world", max_new_tokens=1, add_bos=True).stats["prefill_tokens"] == n + 1
+
+
+def test_path_form(tmp_path):
+    """load_tokenizer(path, cfg): a Laneformer or Hugging Face directory; a file needs its source."""
+    cfg = LaneformerConfig(vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="has no tokenizer.json"):         # HF: no byte fallback
+        load_tokenizer(str(tmp_path), cfg)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "laneformer_tp"}))
+    assert isinstance(load_tokenizer(str(tmp_path), cfg), ByteTokenizer)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="open_model"):
+        load_tokenizer(str(tmp_path / "m.gguf"), cfg)
