@@ -31,6 +31,7 @@ def convert(src_path: str, dst_dir: str, dtype: str | None = None, progress: boo
     if os.path.exists(dst_dir) and (not os.path.isdir(dst_dir) or os.listdir(dst_dir)):
         raise FormatError(f"{dst_dir} exists and is not an empty directory: choose a new one")
     src = open_model(src_path, progress=False)
+    ok = False
     try:
         os.makedirs(dst_dir, exist_ok=True)
         cfg = src.cfg
@@ -68,8 +69,11 @@ def convert(src_path: str, dst_dir: str, dtype: str | None = None, progress: boo
         with open(os.path.join(dst_dir, "config.json"), "w") as f:
             json.dump(d, f, indent=2)
         tok = _tokenizer(src, dst_dir)
+        ok = True
     finally:
         src.close()
+        if not ok:                              # no half-written model left behind (dst was empty)
+            shutil.rmtree(dst_dir, ignore_errors=True)
     CheckpointReader(dst_dir).close()          # what was written opens and validates as a Laneformer
     return {"kind": src.kind, "tensors": len(names), "bytes": total, "files": files, "tokenizer": tok}
 
