@@ -70,6 +70,8 @@ def convert(src_path: str, dst_dir: str, dtype: str | None = None, progress: boo
             json.dump(d, f, indent=2)
         tok = _tokenizer(src, dst_dir)
         ok = True
+    except OSError as e:
+        raise FormatError(f"cannot write {dst_dir}: {e.strerror or e}") from None
     finally:
         src.close()
         if not ok:                              # no half-written model left behind (dst was empty)
