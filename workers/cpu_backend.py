@@ -1,4 +1,6 @@
-"""The `cpu` backend: the numpy reference engine on this rank's lanes, one KV cache per slot."""
+"""The `cpu` backend: the numpy reference engine on this rank's lanes, one KV cache per slot. Prefill
+runs on the engine; decode steps run workers.cpu_decode's fast step on the same caches (fast=False:
+the engine's own step, for comparisons)."""
 from __future__ import annotations
 
 from kog_dist.engine import ReferenceEngine
@@ -6,14 +8,18 @@ from kog_dist.sampling import sample
 
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
+from .cpu_decode import FastDecoder, FusedWeights
+
 
 class CpuBackend(Backend):
     def __init__(self, cfg, weights, embed, lanes=None, exchange=None, max_seq=None, num_slots=4,
-                 agree=None, prefill_chunk=None):
+                 agree=None, prefill_chunk=None, fast: bool = True):
         """`agree(flag) -> bool` makes every rank take rank 0's decision to go on (None: one rank)."""
         self.cfg = cfg
         self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.num_slots = num_slots
+        # fused q/k/v and gate/up matrices; the engines' weights become views of them (one copy)
+        self.decoder = FastDecoder(cfg, FusedWeights(cfg, weights), embed) if fast else None
         self._new = lambda: ReferenceEngine(cfg, weights, embed, lanes, exchange, self.max_seq, prefill_chunk)
         self.slots = [None] * num_slots
         self.tokens = [[] for _ in range(num_slots)]   # the ids each slot's cache holds
@@ -60,7 +66,7 @@ class CpuBackend(Backend):
             if len(res.token_ids) == cmd.max_new_tokens or len(held) + 1 > self.max_seq:
                 res.stop_reason = "length"
                 break
-            logits = eng.step(tok)
+            logits = self.decoder.step(eng, tok) if self.decoder else eng.step(tok)
             held.append(tok)
         else:
             res.stop_reason = "none"
