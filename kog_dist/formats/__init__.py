@@ -64,7 +64,7 @@ def _open_dir(p: str, shown) -> ModelSource:
     if not os.path.isfile(cpath):
         ggufs = sorted(n for n in os.listdir(p) if n.endswith(".gguf"))
         hint = f"; pass the GGUF file itself, e.g. {os.path.join(shown, ggufs[0])}" if ggufs else ""
-        raise FormatError(f"{shown} has no config.json{hint} (supported: {SUPPORTED})")
+        raise FormatError(f"config.json not found in {shown}{hint} (supported: {SUPPORTED})")
     try:
         with open(cpath, "rb") as f:
             d = json.loads(f.read().decode("utf-8"))
