@@ -1,0 +1,95 @@
+"""The reproduction scripts BENCHMARKS.md cites (bench/*.sh) stay runnable: each parses, and with DRY=1 each
+prints its commands, whose arguments the real parsers accept (on this CPU machine every bench command then
+refuses in one line for want of a GPU, after parsing) and whose checkpoint shapes are kog_dist.shapes'."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from mpi_helpers import REPO_ROOT, mpi_env
+
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(REPO_ROOT, "bench")) if f.endswith(".sh"))
+ARGPARSE_ERRORS = ("unrecognized arguments", "invalid choice", "expected one argument", "invalid int value",
+                   "the following arguments are required")
+
+
+def dry(script, *args, **env):
+    r = subprocess.run(["bash", os.path.join("bench", script), *args], capture_output=True, text=True, timeout=60,
+                       cwd=REPO_ROOT, env=mpi_env({"DRY": "1", "OUT": env.pop("out"), "PY": sys.executable, **env}))
+    assert r.returncode == 0, r.stderr
+    return [shlex.split(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def all_commands(tmp):
+    return (dry("gpu_full_rows.sh", out=tmp) + dry("ab_variants.sh", "CFG_A=1 CFG_B=2", out=tmp, ROUNDS="1")
+            + dry("ab_variants.sh", "CFG_A=1", out=tmp, ROUNDS="1", NP="2") + dry("ncu_warp_states.sh", out=tmp))
+
+
+def test_every_script_parses():
+    assert {"gpu_full_rows.sh", "ab_variants.sh", "ncu_warp_states.sh"} <= set(SCRIPTS)
+    for s in SCRIPTS:
+        r = subprocess.run(["bash", "-n", os.path.join(REPO_ROOT, "bench", s)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{s}: {r.stderr}"
+
+
+def test_dry_runs_print_what_they_would_run(tmp_path):
+    cmds = all_commands(str(tmp_path))
+    mods = [c[c.index("-m") + 1] for c in cmds if "-m" in c]
+    assert mods.count("kog_cli") == 13 and mods.count("kccl.bench") == 1, cmds
+    variant = [c for c in cmds if "CFG_B=2" in c]
+    assert len(variant) == 1 and variant[0][variant[0].index("CFG_A=1") - 1] == "--define"
+    assert (tmp_path / "commands.txt").read_text().count("\n") == len(cmds)
+
+
+def _bench_commands(tmp):
+    out = []
+    for c in all_commands(tmp):
+        c = c[c.index(sys.executable):]                 # ncu's prefix off
+        if c[2] == "kccl.bench" or c[2:4] == ["kog_cli", "bench"]:
+            out.append(c)
+    return out
+
+
+# gpu_full_rows: 2b one rank, 2b two ranks, three checkpoints' benches, kccl; ab_variants: base + variant, one and
+# two ranks; ncu_warp_states: one
+@pytest.mark.parametrize("pick", range(11))
+def test_bench_commands_parse_and_refuse_without_a_gpu(tmp_path, pick):
+    cmds = _bench_commands(str(tmp_path))
+    assert len(cmds) == 11
+    cmd = cmds[pick]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env=mpi_env())
+    if "--model" in cmd:   # the dry run wrote no checkpoint: the bench stops at the missing directory
+        assert r.returncode != 0
+    else:
+        assert r.returncode == 2, (cmd, r.stderr)
+    assert not any(e in r.stderr for e in ARGPARSE_ERRORS), (cmd, r.stderr)
+    assert "Traceback" not in r.stderr, (cmd, r.stderr)
+
+
+def test_checkpoint_shapes_are_the_named_shapes(tmp_path):
+    from kog_dist.shapes import SHAPES
+    flags = {"--layers": "num_hidden_layers", "--hidden": "hidden_size", "--heads": "num_attention_heads",
+             "--kv-heads": "num_key_value_heads", "--ffn": "intermediate_size", "--vocab": "vocab_size",
+             "--lanes": "num_lanes", "--delay": "broadcast_delay", "--window": "sliding_window",
+             "--window-layers": "sliding_window_n_layers"}
+    helptext = subprocess.run([sys.executable, "-m", "kog_cli", "checkpoint", "tiny", "--help"], capture_output=True,
+                              text=True, timeout=60, cwd=REPO_ROOT, env=mpi_env()).stdout
+    seen = set()
+    for c in all_commands(str(tmp_path)):
+        if c[2:5] != ["kog_cli", "checkpoint", "tiny"]:
+            continue
+        name = os.path.basename(c[5]).removeprefix("ckpt_")
+        shape = SHAPES[name]
+        for i, a in enumerate(c[6:], 6):
+            if a.startswith("--"):
+                assert a in helptext, a
+                if a in flags:
+                    assert int(c[i + 1]) == shape[flags[a]], (name, a)
+        assert ("--tie" in c) == shape["tie_word_embeddings"]
+        assert set(flags) - {"--window", "--window-layers"} <= set(c), c
+        seen.add(name)
+    assert seen == {"2b", "llama3.2-1b", "smollm2-135m"}
