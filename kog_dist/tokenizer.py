@@ -141,12 +141,32 @@ class _TokenStream:
     def __init__(self, tok: Tokenizer):
         self._tok, self._ds = tok, DecodeStream(skip_special_tokens=True)
         self._n = tok.get_vocab_size(with_added_tokens=True)
+        self._ctx, self._pending = [], []        # the id of the last text out, the ids since
 
     def step(self, token_id: int) -> str:
         t = int(token_id)
         if not 0 <= t < self._n:
             return ""
-        return self._ds.step(self._tok, t) or ""
+        try:
+            out = self._ds.step(self._tok, t)
+        except Exception:  # byte tokens that form no valid UTF-8 make DecodeStream's prefix check fail
+            out = self._lossy(t)
+        if out is None:
+            self._pending.append(t)
+            return ""
+        self._ctx, self._pending = [t], []
+        return out
+
+    def _lossy(self, t: int) -> str:
+        """The pending ids' text as plain decoding gives it (U+FFFD for the bad bytes), read after
+        the previous id so a leading space survives; the stream restarts from t."""
+        head = self._tok.decode(self._ctx, skip_special_tokens=True)
+        text = self._tok.decode(self._ctx + self._pending + [t], skip_special_tokens=True)
+        self._ds = DecodeStream(ids=[t], skip_special_tokens=True)
+        if text.startswith(head):
+            return text[len(head):]
+        # the previous id's bytes joined the bad run (byte fallback spoils a run as a whole)
+        return self._tok.decode(self._pending + [t], skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------------------------- loading

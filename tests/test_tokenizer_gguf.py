@@ -117,7 +117,7 @@ def test_spm_bos_specials_bytes_and_round_trip(spm):
 
 
 def test_spm_stream_never_splits_a_character(spm):
-    tok, _, _ = spm
+    tok, tokens, _ = spm
     s = "héllo 日本 🎉 world"
     ids = tok.encode(s)
     st = tok.stream()
@@ -125,6 +125,18 @@ def test_spm_stream_never_splits_a_character(spm):
     assert "".join(pieces) == tok.decode(ids) == s
     assert all("\ufffd" not in p for p in pieces)
     assert pieces.count("") >= 3                      # the emoji's first three bytes give no text yet
+    # a stray continuation byte after a byte-token character: tokenizers' DecodeStream raises on it
+    # ("Invalid prefix"); the stream goes on with U+FFFD for the bad byte, the space kept
+    bad = [tok.token_to_id(t) for t in ["<0x32>", "<0x95>", "▁w", "<0x90>", "▁world"]]
+    st = tok.stream()
+    assert "".join(st.step(i) for i in bad) == "2\ufffd w\ufffd world"
+    rng = random.Random(3)                  # random ids (mostly bytes here): never an exception, and
+    for _ in range(200):                    # the text decode gives wherever that is valid UTF-8
+        ids = [rng.randrange(len(tokens)) for _ in range(rng.randint(1, 12))]
+        st = tok.stream()
+        text = "".join(st.step(i) for i in ids)
+        if "\ufffd" not in tok.decode(ids):
+            assert text == tok.decode(ids), [tokens[i] for i in ids]
 
 
 def test_spm_without_space_prefix(tmp_path):
