@@ -203,7 +203,8 @@ class CudaCore:
     def allreduce_pieces(self, x, piece: int | None = None):
         """In place: a contiguous float32/float16 device array of any length summed over ranks, in pieces of
         at most `piece` elements (default: a slot). Every piece's kernel is queued on the stream at once and
-        the host waits once (a wait per piece costs ~50 us: the multi-rank prefill made thousands)."""
+        the host waits once: the multi-rank prefill makes thousands of pieces, and a host wait for each
+        cost more than its copy (docs/lab/source-notes.md)."""
         cp = self._cp()
         self._check_usable()
         if x.dtype not in (cp.float32, cp.float16) or not x.flags.c_contiguous or x.data.ptr % 16:

@@ -73,11 +73,10 @@ def context_error(device: int | None = None, wait_s: float = 1.0):
     """None while this process's CUDA context accepts work, else an exception: the one a new stream
     gets, or a KcclError when that call does not return within wait_s. Once a context faulted (a sticky
     error such as cudaErrorIllegalAddress) creating a stream fails, while a query of the faulted
-    kernel's event may go on answering "not ready": seen on the H200 under MPS (4 ranks on one GPU, one
-    SIGKILLed mid-decode: the survivors' event queries said "not ready" for 20 s, then a
-    cudaStreamCreate raised cudaErrorIllegalAddress). The call runs in a thread (on `device`), so a
-    CUDA call that blocks cannot stop the caller; raw runtime calls, no CuPy object whose destructor
-    would print a traceback in a faulted context."""
+    kernel's event may go on answering "not ready" (under MPS, after a peer's death; see
+    docs/lab/source-notes.md). The call runs in a thread (on `device`), so a CUDA call that blocks cannot
+    stop the caller; raw runtime calls, no CuPy object whose destructor would print a traceback in a
+    faulted context."""
     global _probe_thread
     rt = optional.cupy().cuda.runtime
     if getattr(rt, "streamCreateWithFlags", None) is None:  # a runtime without it (a fake): no probe

@@ -9,7 +9,7 @@ the multi-rank kernel for N = 2, 4, 8 (when nvcc is installed).
 GPU (marker gpu; skipped without CuPy, a GPU or mpiexec, and where ranks would share a GPU without MPS;
 tests/gpu_multirank.sh runs them on the H200 under MPS): N = 2, 4, 8 ranks give the one-rank greedy ids (and the numpy engine's) for 128 tokens of an
 fp32 tiny checkpoint with 8 lanes, a second request continues the slot and the kccl epochs, seeded
-sampling gives the one-rank ids (N = 2, 4, 8 passed on the H200 under MPS; KOG_TEST_DEFINES="CFG_X=1"
+sampling gives the one-rank ids (KOG_TEST_DEFINES="CFG_X=1"
 builds every rank's kernel with a tuning variant's defines, as in test_cuda_backend.py); a rank SIGKILLed mid-decode,
 or between two requests, makes the others raise PeerLost (or KcclTimeout naming it) within the kccl
 timeout (5 s here, env KOG_KILL_TIMEOUT) plus a few seconds, and exit non-zero instead of spinning.
