@@ -23,8 +23,8 @@ from .config import LaneformerConfig
 
 BYTE_OFFSET = 3
 
-# Tokens that end a turn or a document in the chat models people run; each one that the vocabulary
-# holds as a special (control) token stops generation, as llama.cpp's end-of-generation set does.
+# Tokens that end a turn or a document in the chat models people run; each one the vocabulary holds
+# stops generation, whatever its token type, as in llama.cpp's end-of-generation set.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>",
                "<end_of_turn>", "<|end▁of▁sentence|>", "<|return|>")
 
@@ -266,10 +266,9 @@ def _from_hf_dir(model_dir: str, cfg) -> HFTokenizer:
     if bos_id is not None and not bos_token:
         bos_token = tok.id_to_token(bos_id)
 
-    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     eos = [tok.token_to_id(eos_token)] if eos_token and tok.token_to_id(eos_token) is not None else []
     eos += list(cfg.eos_token_ids or ()) + _ids(gen.get("eos_token_id"))
-    eos += [special[t] for t in END_OF_TURN if t in special]
+    eos += [i for i in map(tok.token_to_id, END_OF_TURN) if i is not None]
     if not eos_token and eos:
         eos_token = tok.id_to_token(eos[0])
     return HFTokenizer(tok, kind="tokenizer.json", vocab_size=cfg.vocab_size, bos_id=bos_id, eos_ids=eos,
@@ -307,8 +306,8 @@ def _from_gguf(fields: dict, cfg) -> HFTokenizer:
     eos = [i for i in (tid("tokenizer.ggml.eos_token_id"), tid("tokenizer.ggml.eot_token_id"),
                        tid("tokenizer.ggml.eom_token_id")) if i is not None]
     eos += list(cfg.eos_token_ids or ())
-    control = {t: i for i, t in enumerate(tokens) if types[i] == _CONTROL}
-    eos += [control[t] for t in END_OF_TURN if t in control]
+    index = {t: i for i, t in enumerate(tokens)}
+    eos += [index[t] for t in END_OF_TURN if t in index]
     template = fields.get("tokenizer.chat_template")
     return HFTokenizer(tok, kind="gguf", vocab_size=cfg.vocab_size, bos_id=bos_id, eos_ids=eos,
                        add_bos=bool(add_bos), chat_template=template if isinstance(template, str) else None,
