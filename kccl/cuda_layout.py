@@ -5,7 +5,7 @@ The constants shared with kccl/device/kccl.cuh (checked by tests/test_kccl_cuda.
 the ranks exchange at create (`pack_record` / `unpack_record` / `allgather_bytes` / `check_records`),
 `describe_status` (the status words a kernel wrote, as an exception class and a message) and the
 device code (kccl_ops.cu + kccl_test.cu, built once per device by `_module`). Host arithmetic only:
-nothing here touches CuPy except `_module`. kccl.cuda_ipc re-exports every name.
+nothing here touches CuPy except `_module`. Import these names from here.
 """
 
 from __future__ import annotations
