@@ -263,7 +263,7 @@ def _from_hf_dir(model_dir: str, cfg) -> HFTokenizer:
         bos_id = with_special[0]
     add_bos = tc["add_bos_token"] if isinstance(tc.get("add_bos_token"), bool) else (
         adds and with_special[0] == bos_id)
-    if bos_id is not None and not bos_token:
+    if bos_id is not None and not bos_token and "bos_token" not in tc:   # null there: templates get ""
         bos_token = tok.id_to_token(bos_id)
 
     eos = [tok.token_to_id(eos_token)] if eos_token and tok.token_to_id(eos_token) is not None else []

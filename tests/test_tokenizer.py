@@ -209,3 +209,16 @@ def test_path_form(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="open_model"):
         load_tokenizer(str(tmp_path / "m.gguf"), cfg)
+
+
+def test_qwen2_style_null_bos(tmp_path):
+    """bos_token null in tokenizer_config.json (Qwen2): the config's bos id is kept for the coordinator,
+    never added, and a template's {{ bos_token }} renders empty as in transformers."""
+    _byte_level_bpe(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}"}))
+    tok = load_tokenizer(_hf(tmp_path, bos_token_id=0))
+    assert tok.bos_id == 0 and not tok.add_bos and tok.eos_ids[0] == 2
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert tok.encode("hi")[0] != 0
