@@ -555,6 +555,7 @@ KILL_TIMEOUT = float(os.environ.get("KOG_KILL_TIMEOUT", "5"))   # the ranks' kcc
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_fault
 @pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
 @pytest.mark.parametrize("when", ["mid", "between"])
 def test_killed_rank_makes_the_others_exit(tmp_path, when):
@@ -568,9 +569,10 @@ def test_killed_rank_makes_the_others_exit(tmp_path, when):
     event queries did not report for 20 s on the H200): kccl's check_kernel finds the faulted context
     and reports PeerLost of the dead rank. A kernel that is still running 2 s after the abort word
     (reported so by check_kernel) fails the test. After such a fault the MPS server refuses new clients
-    until it has recovered ("between" right after "mid" found it not ready): the test waits before its
-    ranks start until a fresh process can use every GPU, and again after them, so that it and the tests
-    after it find the GPUs usable whatever ran before (mpi_helpers.wait_gpus_ready)."""
+    until every client of the faulted GPU has exited and it has recovered: marked gpu_fault, the test
+    runs before any other of the session (tests/conftest.py: before the pytest process holds a CUDA
+    context of its own, which would keep the server waiting), and waits before its ranks start and
+    again after them until a fresh process can use every GPU (mpi_helpers.wait_gpus_ready)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from kog_dist.tiny import write_tiny_checkpoint
     from mpi_helpers import run_plain, shared_gpu_reason, wait_gpus_ready

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpi_helpers import have_mpiexec, run_mpi, run_plain, shared_gpu_reason
+from mpi_helpers import have_mpiexec, run_mpi, run_plain, shared_gpu_reason, wait_gpus_ready
 
 pytestmark = pytest.mark.gpu
 
@@ -287,10 +287,18 @@ def test_silent_rank_times_out_with_its_name():
 
 
 @skip_gpu
+@pytest.mark.gpu_fault
 def test_killed_rank_is_reported(tmp_path):
+    """Under MPS the survivors' kernels may fault once the dead rank's window goes: marked gpu_fault, it
+    runs first in the session and waits for usable GPUs before and after (tests/conftest.py)."""
     _need_together(3)
-    res = run_plain(3, KILLED, timeout=60, folder=str(tmp_path))
+    assert wait_gpus_ready() is None, "the GPUs are not usable before the ranks start"
+    try:
+        res = run_plain(3, KILLED, timeout=60, folder=str(tmp_path))
+    finally:
+        not_ready = wait_gpus_ready()
     print(res.output)
+    assert not_ready is None, f"after the ranks ended: {not_ready}"
     lost = [line.split() for line in res.stdout.splitlines() if line.startswith("LOST")]
     assert sorted(int(w[1]) for w in lost) == [0, 1], res.output[-6000:]
     assert all(int(w[2]) == 2 and float(w[3]) < 15 for w in lost), res.output[-6000:]
