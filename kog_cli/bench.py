@@ -2,7 +2,8 @@
 copy bandwidth and the PyTorch baselines measured in the same run.
 
   kog bench --shape 2b                 random weights of the published 2B shape, made on the device
-  kog bench --model DIR                any checkpoint
+  kog bench --shape smollm2-135m --dtype bf16,q4_1   one-lane Llama shapes; several storages in one run
+  kog bench --model PATH               any checkpoint (Laneformer or HF directory, .gguf file)
   kog bench --shape 2b --json          one JSON object on stdout
 
 Rows: pp<N> (time to first token of an N-token prompt: prefill + the first decode step + sampling),
@@ -41,7 +42,9 @@ def _commit() -> str:
         return "unknown"
 
 
-STORAGE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}   # --dtype -> the backend's storage type
+# --dtype -> the backend's storage (workers.cuda.weights.split_dtype): quantized types keep the embedding,
+# LM head and KV cache in bf16
+STORAGE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 def finish_rows(mk: dict, bw: float) -> None:
@@ -68,7 +71,8 @@ def measure(backend, args, log=_say) -> dict:
     V = cfg.vocab_size
     rng = np.random.default_rng(args.seed)
     greedy = SamplingParams()
-    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype), "timing_marks": bool(args.profile)}
+    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype), "timing_marks": bool(args.profile),
+           "dtype": backend.dw.dtype}
 
     def run(prompt, gen):
         return backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=gen, sampling=greedy),
@@ -112,7 +116,9 @@ def measure(backend, args, log=_say) -> dict:
                                    sampling=greedy), ignore_eos=True, timing_token=k)
             bds.append(phase_breakdown(backend.last_timing, cfg.num_hidden_layers, cfg.num_lanes))
         out["phases"] = bds
-        sb = streamed_by_kind(cfg, 4 if backend.dw.dtype == "F32" else 2)
+        from workers.cuda.weights import matrix_bytes
+        sb = streamed_by_kind(cfg, matrix_bytes(1 << 20, backend.dw.dtype) / (1 << 20))
+        sb["lm"] = streamed_bytes(cfg, backend.dw.dtype) - sum(v for k, v in sb.items() if k != "lm")
         for k, bd in zip((8, 200, 400), bds):
             log(f"phase breakdown of decode step {k} (context {args.prompt + k}):\n" + format_breakdown(bd, sb))
     if args.ctx and args.ctx <= backend.max_seq:
@@ -125,7 +131,9 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--shape", help=f"a named shape with random weights made on the device ({', '.join(SHAPES)})")
-    ap.add_argument("--dtype", default="bf16", choices=tuple(STORAGE), help="storage type for --shape")
+    ap.add_argument("--dtype", default=None,
+                    help=f"storage ({', '.join(STORAGE)}); comma separated: one row each, in the same run (--shape "
+                         "default bf16; --model default: the checkpoint's own, a Q8_0/Q4_0/Q4_1 GGUF as it is)"),
     ap.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
     ap.add_argument("--pp", type=int, default=1024, help="prompt tokens for the prefill / TTFT row")
     ap.add_argument("--prompt", type=int, default=128)
@@ -188,10 +196,9 @@ def main(argv=None) -> int:
     if ndev < 1:
         print("kog bench: error: no CUDA GPU", file=sys.stderr)
         return 2
-    from kog_dist.config import load_config
     from workers.cuda.backend import CudaBackend
     from workers.cuda.build import build
-    from workers.cuda.weights import random_weights
+    from workers.cuda.weights import random_weights, split_dtype
     dev = cp.cuda.Device()
     report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(dev.id), "commit": _commit(),
               "sms": dev.attributes["MultiProcessorCount"], "args": vars(args)}
@@ -204,36 +211,53 @@ def main(argv=None) -> int:
     bw = tb.measure_copy_bandwidth() if have_torch else cupy_copy_bandwidth()
     report["copy_bandwidth_GBps"] = bw / 1e9
     _say(f"copy bandwidth {bw / 1e9:.0f} GB/s ({'torch' if have_torch else 'cupy'})")
-    dtype = STORAGE[args.dtype]
     need = max(args.pp + 1, args.prompt + args.gen, args.ctx)
+    dtypes = [STORAGE[d] for d in args.dtype.split(",")] if args.dtype else [None]
+    src = None
     if args.shape:
         cfg = shape_config(args.shape)
-        extra = dict(d.split("=", 1) for d in args.define)
-        k = build(cfg, dtype, args.nblocks, args.prefetch, extra=extra, marks=args.profile)
-        args.prefetch = int(k.defines["CFG_PF"])   # the report's args say what ran
-        t0 = time.perf_counter()
-        dw = random_weights(cfg, dtype, k, seed=args.seed)
-        _say(f"random {args.shape} weights on the device in {time.perf_counter() - t0:.1f} s")
-        backend = CudaBackend(weights=dw, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
-                              nblocks=args.nblocks, prefetch=args.prefetch, extra_defines=extra,
-                              timing_marks=args.profile)
+        dtypes = [d or "BF16" for d in dtypes]
         model_name = f"laneformer-{args.shape} (random)"
     else:
-        cfg = load_config(args.model)
-        backend = CudaBackend(args.model, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
-                              nblocks=args.nblocks, prefetch=args.prefetch,
-                              extra_defines=dict(d.split("=", 1) for d in args.define),
-                              dtype=dtype if args.dtype != "bf16" else None, timing_marks=args.profile)
+        from kog_dist.checkpoint import CheckpointError
+        from workers.cuda.weights import default_dtype, open_source
+        try:
+            src = open_source(args.model)
+        except (CheckpointError, ValueError, OSError) as e:
+            print(f"kog bench: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+        cfg = src.cfg
+        dtypes = [d or default_dtype(src) for d in dtypes]
         model_name = args.model
+    extra = dict(d.split("=", 1) for d in args.define)
     report["model"] = model_name
-    report["dtype"] = backend.dw.dtype
-    report["compile_s"] = backend.k.compile_s
-    report["monokernel"] = measure(backend, args)
-    mk = report["monokernel"]
-    finish_rows(mk, bw)
-    backend.close()
-    del backend
-    cp.get_default_memory_pool().free_all_blocks()
+    report["variants"] = []
+    for dtype in dtypes:
+        if args.shape:
+            k = build(cfg, dtype, args.nblocks, args.prefetch, extra=extra, marks=args.profile)
+            args.prefetch = int(k.defines["CFG_PF"])   # the report's args say what ran
+            t0 = time.perf_counter()
+            dw = random_weights(cfg, dtype, k, seed=args.seed)
+            _say(f"random {args.shape} weights ({dtype}) on the device in {time.perf_counter() - t0:.1f} s")
+            backend = CudaBackend(weights=dw, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
+                                  nblocks=args.nblocks, prefetch=args.prefetch, extra_defines=extra,
+                                  timing_marks=args.profile)
+        else:
+            backend = CudaBackend(src, max_seq=min(need, cfg.max_position_embeddings), num_slots=1,
+                                  nblocks=args.nblocks, prefetch=args.prefetch, extra_defines=extra,
+                                  dtype=dtype, timing_marks=args.profile)
+        mk = measure(backend, args)
+        mk["compile_s"] = backend.k.compile_s
+        finish_rows(mk, bw)
+        report["variants"].append(mk)
+        backend.close()
+        del backend
+        cp.get_default_memory_pool().free_all_blocks()
+    if src is not None:
+        src.close()
+    mk = report["monokernel"] = report["variants"][0]
+    report["dtype"] = mk["dtype"]
+    report["compile_s"] = mk["compile_s"]
     modes = [m for m in args.baselines.split(",") if m and m != "none"]
     report["baselines"] = []
     if modes:
@@ -242,7 +266,7 @@ def main(argv=None) -> int:
         else:
             report["baselines"] = tb.run_baselines(
                 cfg, None, prompt_len=args.prompt, gen_len=args.gen, modes=modes,
-                dtype={"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[report["dtype"]],
+                dtype={"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[split_dtype(report["dtype"])[1]],
                 repeats=args.baseline_repeats, compile_mode=args.compile_mode,
                 log=lambda m: _say(m))
     for b in report["baselines"]:
@@ -260,8 +284,11 @@ def _check_sizes(args) -> str | None:
                         ("--nblocks", args.nblocks, 1)):
         if v is not None and v < lo:
             return f"{flag} must be >= {lo} (got {v})"
-    if args.shape is not None and args.shape != "2b":
-        return f"unknown shape {args.shape!r} (known: 2b)"
+    if args.shape is not None and args.shape not in SHAPES:
+        return f"unknown shape {args.shape!r} (known: {', '.join(SHAPES)})"
+    for d in (args.dtype or "").split(",") if args.dtype else ():
+        if d not in STORAGE:
+            return f"unknown --dtype {d!r} (known: {', '.join(STORAGE)})"
     if args.ctx and args.ctx_gen >= args.ctx:
         return f"--ctx-gen ({args.ctx_gen}) must be below --ctx ({args.ctx}): the row decodes at that context"
     return None
@@ -293,20 +320,27 @@ def _emit(report: dict, args) -> int:
     return 0
 
 
+def _dt_name(dtype: str) -> str:
+    return {v: k for k, v in STORAGE.items()}.get(dtype, dtype.lower())
+
+
 def table(r: dict) -> str:
     mk = r["monokernel"]
-    dt = {v: k for k, v in STORAGE.items()}[r["dtype"]]
+    dt = _dt_name(r["dtype"])
     ours = "cpu (numpy)" if r.get("backend_rows") == "cpu" else "monokernel"
     rows = []
-    pp = mk["pp"]
-    rows.append((ours, f"pp{pp['prompt']}", f"{pp['tokens_per_s']:.0f}",
-                 f"TTFT {pp['ttft_ms']:.2f} ms", "", ""))
-    for key in ("tg", "tg_ctx"):
-        if key in mk:
-            x = mk[key]
-            rows.append((ours, f"tg{x['gen']} @ {x['prompt']}", f"{x['tokens_per_s']:.1f}",
-                         f"{x['ms_per_token']:.3f} ms/tok", f"{x['GB_per_s']:.0f}",
-                         f"{100 * x['fraction_of_copy_bw']:.1f}%"))
+    variants = r.get("variants") or [mk]
+    for v in variants:
+        name = ours if len(variants) == 1 else f"{ours} {_dt_name(v.get('dtype', r['dtype']))}"
+        pp = v["pp"]
+        rows.append((name, f"pp{pp['prompt']}", f"{pp['tokens_per_s']:.0f}",
+                     f"TTFT {pp['ttft_ms']:.2f} ms", "", ""))
+        for key in ("tg", "tg_ctx"):
+            if key in v:
+                x = v[key]
+                rows.append((name, f"tg{x['gen']} @ {x['prompt']}", f"{x['tokens_per_s']:.1f}",
+                             f"{x['ms_per_token']:.3f} ms/tok", f"{x['GB_per_s']:.0f}",
+                             f"{100 * x['fraction_of_copy_bw']:.1f}%"))
     for b in r["baselines"]:
         name = f"torch {b['mode']}"
         if "tokens_per_s" in b:
@@ -319,11 +353,14 @@ def table(r: dict) -> str:
     w = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     line = lambda x: "| " + " | ".join(str(v).ljust(w[i]) for i, v in enumerate(x)) + " |"
     sms = f" ({r['sms']} SMs)" if "sms" in r else ""
+    if len(variants) > 1:
+        dt = ",".join(_dt_name(v.get("dtype", r["dtype"])) for v in variants)
     out = [f"model: {r['model']}  dtype: {dt}  device: {r['device']}{sms}  date: {r['date']}  "
            f"commit: {r.get('commit', '?')}",
            f"copy bandwidth (measured now): {r['copy_bandwidth_GBps']:.0f} GB/s; weights streamed per token: "
-           f"{mk['streamed_bytes_per_token'] / 1e9:.3f} GB; ceiling "
-           f"{r['copy_bandwidth_GBps'] * 1e9 / mk['streamed_bytes_per_token']:.0f} tokens/s",
+           + "; ".join(f"{_dt_name(v.get('dtype', r['dtype']))} {v['streamed_bytes_per_token'] / 1e9:.3f} GB, ceiling "
+                       f"{r['copy_bandwidth_GBps'] * 1e9 / v['streamed_bytes_per_token']:.0f} tokens/s" for v in variants)
+           + ("; torch baselines in bf16" if r.get("baselines") and len(variants) > 1 else ""),
            line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
     out += [line(x) for x in rows]
     if mk.get("timing_marks"):

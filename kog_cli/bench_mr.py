@@ -63,7 +63,7 @@ def run_rank(args, say, emit) -> int:
     view = mr.RankView(cfg, rank, n)
     on_dev = comm.bus_ids.count(comm.bus_ids[rank])
     gpus = len(set(comm.bus_ids))
-    dtype = STORAGE[args.dtype]
+    dtype = STORAGE[args.dtype or "bf16"]
     extra = dict(d.split("=", 1) for d in args.define)
     sms = dev.attributes["MultiProcessorCount"]
     nb = args.nblocks or mr.blocks_per_rank(view, sms, on_dev)

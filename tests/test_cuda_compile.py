@@ -2,6 +2,7 @@
 is not on PATH). The GPU behaviour is in tests/test_cuda_backend.py (marker gpu)."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -174,3 +175,38 @@ def test_profile_of_a_build_without_marks_is_refused():
     b.k = Built()
     with pytest.raises(ValueError, match="without timing marks: create the backend with timing_marks=True"):
         CudaBackend.run(b, None, timing_token=3)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_quantized_one_lane_build_compiles(tmp_path):
+    """The default model's build (SmolLM2's one-lane shape, layer matrices in Q4_1, biases on as for Qwen2)
+    and the quantizer / dequantizer kernels compile warning-free with build.defines' options."""
+    from kog_dist.shapes import shape_config
+    from workers.cuda.build import defines
+    cfg = dataclasses.replace(shape_config("smollm2-135m"), attention_bias=True)
+    d = defines(cfg, "Q4_1", 132)
+    assert d["CFG_QW"] == 3 and d["CFG_BIAS"] == 1 and d["CFG_WT"] == 1
+    for src in ("monokernel.cu", "prefill.cu"):
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", os.path.join(CUDA_DIR, src),
+                            "-o", str(tmp_path / "q.cubin")] + [f"-D{k}={v}" for k, v in d.items()],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-4000:]
+
+
+def test_storage_names():
+    """--dtype's storages: plain types, quantized layer matrices with the rest in bf16 or as asked; the bytes a
+    token streams count quants and scales (Q4_0: 18 bytes a 32-weight block, Q8_0: 34, Q4_1: 20)."""
+    from kog_dist.shapes import shape_config
+    from workers.cuda.weights import layer_elems, split_dtype, streamed_bytes
+    assert split_dtype("BF16") == (None, "BF16") and split_dtype("Q4_0") == ("Q4_0", "BF16")
+    assert split_dtype("q8_0:f32") == ("Q8_0", "F32")
+    for bad in ("Q5_K", "Q4_0:Q8_0", "F32:BF16"):
+        with pytest.raises(ValueError, match="storage type"):
+            split_dtype(bad)
+    cfg = shape_config("2b")
+    lm = cfg.vocab_size * cfg.hidden_size * 2
+    n = layer_elems(cfg) * cfg.num_hidden_layers
+    assert streamed_bytes(cfg, "Q4_0") == n // 32 * 18 + lm
+    assert streamed_bytes(cfg, "Q8_0") == n // 32 * 34 + lm
+    assert streamed_bytes(cfg, "Q4_1") == n // 32 * 20 + lm
+    assert streamed_bytes(cfg, "BF16") == 2 * n + lm

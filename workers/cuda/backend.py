@@ -21,7 +21,7 @@ import numpy as np
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
 REASONS = {1: "eos", 2: "stop", 3: "length", 4: "cancel"}
-N_PARAMS = 64
+N_PARAMS = 72   # words of the host copy of Params (mk_layout.cuh: 60, 65 with several ranks)
 MAX_STOP, MAX_EOS = 16, 8
 # CuPy events of launches that failed with a CUDA error, or with several ranks (a peer lost, a kccl
 # error; the context may have faulted): kept to the process's end, since destroying them in a faulted
@@ -74,19 +74,31 @@ def counter_lines(ctr: np.ndarray, lanes: int) -> list[str]:
 
 
 class CudaBackend(Backend):
-    def __init__(self, model_dir: str | None = None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
+    """`model`: a path (any format kog_dist.formats.open_model reads) or a tensor source (open_model's,
+    a CheckpointReader), or None with `weights` (DeviceWeights made by the caller, e.g. random_weights).
+    `dtype`: the storage (weights.split_dtype: BF16, F16, F32, Q8_0, Q4_0, Q4_1, Q4_0:F32, ...); None: the
+    checkpoint's own (weights.default_dtype)."""
+
+    def __init__(self, model=None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
                  prefetch: int | None = None, prefill_chunk: int = 2048, extra_defines: dict | None = None,
                  timing_marks: bool = False):
         import cupy as cp
-        from kog_dist.config import load_config
 
         from .build import build
         from .prefill import Prefill
-        from .weights import load_checkpoint
+        from .weights import default_dtype, load_checkpoint, open_source
         self.cp = cp
         self.nranks = getattr(comm, "size", 1) if comm is not None else 1
         self.comm = comm if self.nranks > 1 else None
+        src = None
+        if weights is None:
+            src = open_source(model, cfg)
+            cfg = src.cfg
+            dtype = dtype or default_dtype(src)
+        else:
+            dtype = weights.dtype
+        view = None
         if self.nranks > 1:
             from .multirank import RankView, blocks_per_rank, check
             if not hasattr(comm, "dev_ptr"):
@@ -96,7 +108,7 @@ class CudaBackend(Backend):
             if [comm.channel(t) for t in TAGS] != [1, 2, 3]:   # the kernel's channels 1 + kind and CH_FIN
                 raise ValueError(f"the cuda_ipc communicator must be created with tags={TAGS} "
                                  "(multirank.comm_kwargs)")
-            full = cfg or (weights.cfg.full if weights is not None else load_config(model_dir))
+            full = cfg or weights.cfg.full
             check(full, self.nranks)
             from .multirank import depth, max_floats
             if comm.depth != depth(full) or comm.max_floats < max_floats(full, self.nranks):
@@ -106,8 +118,6 @@ class CudaBackend(Backend):
             view = RankView(full, comm.rank, self.nranks)
             if lanes is not None and tuple(lanes) != tuple(view.lanes):
                 raise ValueError(f"rank {comm.rank}: lanes {lanes} differ from the cuda backend's {view.lanes}")
-            if weights is None:
-                weights = load_checkpoint(model_dir, full, dtype, progress, view=view)
             if nblocks is None:
                 sms = cp.cuda.Device().attributes["MultiProcessorCount"]
                 bus = getattr(comm, "bus_ids", None) or [0] * self.nranks
@@ -115,17 +125,20 @@ class CudaBackend(Backend):
             self.cfg, self.rcfg = full, view
             self.hang_s = max(self.hang_s, float(getattr(comm, "timeout", 30.0)) + 10.0)
         else:
-            if weights is None:
-                cfg = cfg or load_config(model_dir)
-                weights = load_checkpoint(model_dir, cfg, dtype, progress)
-            self.cfg = self.rcfg = weights.cfg
+            self.cfg = self.rcfg = cfg if weights is None else weights.cfg
             if lanes is not None and len(lanes) != self.cfg.num_lanes:
                 raise ValueError("the cuda backend runs all lanes on one rank unless given a kccl cuda_ipc "
                                  "communicator of several ranks")
+        self.k = build(self.cfg, dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
+                       nranks=self.nranks, marks=timing_marks)
+        if weights is None:
+            try:
+                weights = load_checkpoint(src, self.cfg, dtype, progress, view=view, kernels=self.k)
+            finally:
+                if src is not model:
+                    src.close()
         cfg = self.cfg
         self.dw = weights
-        self.k = build(cfg, weights.dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
-                       nranks=self.nranks, marks=timing_marks)
         self.nblocks = int(self.k.defines["CFG_NB"])
         self.nthreads = int(self.k.defines.get("CFG_NT", 512))
         if self.k.params_bytes > N_PARAMS * 8:
@@ -195,12 +208,12 @@ class CudaBackend(Backend):
         if self.caches[slot] is None:
             cfg, cp = self.rcfg, self.cp
             shape = (cfg.num_hidden_layers, cfg.kv_heads, self.max_seq, cfg.head_dim)
-            self.caches[slot] = (cp.zeros(shape, self.dw.w.dtype), cp.zeros(shape, self.dw.w.dtype))
+            self.caches[slot] = (cp.zeros(shape, self.dw.emb.dtype), cp.zeros(shape, self.dw.emb.dtype))
         return self.caches[slot]
 
     def kv_bytes_per_slot(self) -> int:
         cfg = self.rcfg
-        return 2 * cfg.num_hidden_layers * cfg.kv_heads * self.max_seq * cfg.head_dim * self.dw.w.itemsize
+        return 2 * cfg.num_hidden_layers * cfg.kv_heads * self.max_seq * cfg.head_dim * self.dw.emb.itemsize
 
     # -- one request ---------------------------------------------------------------------------------
     def run(self, cmd: RunCommand, on_token=None, *, ignore_eos: bool = False, dbg_logits=None,
@@ -338,12 +351,14 @@ class CudaBackend(Backend):
             h[55] = self._timing.data.ptr
             h.view(np.int64)[56] = int(self._timing_token)
         h[57] = self.rope.data.ptr
+        h[58] = ptr(self.dw.ws)
+        h[59] = ptr(self.dw.bias)
         if self.nranks > 1:
             from .multirank import TAGS
-            h[58] = self.comm.dev_ptr
+            h[60] = self.comm.dev_ptr
             for j, tag in enumerate(TAGS):
-                h.view(np.int64)[59 + j] = self.comm.next_epoch(tag)
-            h[62] = self.buf["yfin"].data.ptr
+                h.view(np.int64)[61 + j] = self.comm.next_epoch(tag)
+            h[64] = self.buf["yfin"].data.ptr
         i64 = h.view(np.int64)
         f64 = h.view(np.float64)
         i64[21], i64[22], i64[23], i64[24] = start_pos, first, max_new, self.max_seq

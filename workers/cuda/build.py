@@ -15,7 +15,7 @@ from kccl.cuda_source import inline_sources
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("monokernel.cu", "prefill.cu")
-WT_CODE = {"F32": 0, "BF16": 1, "F16": 2}
+WT_CODE = {"F32": 0, "BF16": 1, "F16": 2}   # CFG_WT of the storage type (weights.split_dtype's second part)
 _cache: dict = {}
 
 
@@ -37,8 +37,11 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
         d = defines(cfg, dtype, nblocks, prefetch, None, marks=marks)
         d.update(mr_defines(cfg, nranks), CFG_SKEW_NS=skew_ns(cfg, dtype, nranks), CFG_UB_QKV=qkv_loads(nranks))
         return {**d, **(extra or {})}
+    from .weights import QTYPES, split_dtype
+    qtype, base = split_dtype(dtype)
     return {
-        "CFG_WT": WT_CODE[dtype], "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
+        "CFG_WT": WT_CODE[base], "CFG_QW": QTYPES[qtype] if qtype else 0,
+        "CFG_BIAS": int(bool(getattr(cfg, "attention_bias", False))), "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
         "CFG_H": cfg.num_attention_heads, "CFG_KV": cfg.kv_heads, "CFG_HD": cfg.head_dim,
         "CFG_F": cfg.intermediate_size, "CFG_V": cfg.vocab_size, "CFG_L": cfg.num_lanes,
         "CFG_DELTA": cfg.broadcast_delay, "CFG_USE_COMM": int(cfg.use_comm),
@@ -98,13 +101,19 @@ def default_blocks(cfg, sms: int) -> int:
 
 def check_shape(cfg, dtype: str, nblocks: int | None = None) -> None:
     """The kernel's layout rules, refused with a one-line reason."""
-    vec = 4 if dtype == "F32" else 8
+    from .weights import split_dtype
+    qtype, base = split_dtype(dtype)
+    vec = 4 if base == "F32" else 8
     hd, L = cfg.head_dim, cfg.num_lanes
     dims = {"hidden_size": cfg.hidden_size, "head_dim": hd,
             "heads per lane * head_dim": cfg.heads_per_lane * hd, "intermediate_size / num_lanes": cfg.ffn_per_lane}
     for name, v in dims.items():
         if v % vec:
             raise ValueError(f"cuda backend: {name}={v} must be a multiple of {vec} for {dtype} storage")
+    if qtype:
+        for name, v in dims.items():
+            if name != "head_dim" and v % 32:
+                raise ValueError(f"cuda backend: {name}={v} must be a multiple of 32 for {qtype} storage")
     if hd // vec > 32:
         raise ValueError(f"cuda backend: head_dim={hd} is too large ({32 * vec} at most for {dtype})")
     if cfg.hidden_size % 4:
@@ -160,7 +169,8 @@ class Kernels:
         self.npost, self.fin_floats, self.fin_words = self.info[6:9] if self.nranks > 1 else (0, 0, 0)
         self.mono.max_dynamic_shared_size_bytes = self.smem_bytes
         self.fn = {n: module.get_function(n) for n in
-                   ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32")}
+                   ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32",
+                    "q_to_w", "q_to_f32", "f32_to_q")}
         if self.nranks > 1:
             self.fn["pf_combine_mr"] = module.get_function("pf_combine_mr")
 

@@ -7,6 +7,12 @@
 #ifndef CFG_WT
 #define CFG_WT 1            // storage type of weights and KV cache: 0 fp32, 1 bf16, 2 fp16
 #endif
+#ifndef CFG_QW
+#define CFG_QW 0            // layer matrices: 0 in the storage type, 1 Q8_0, 2 Q4_0, 3 Q4_1 (GGUF blocks, below)
+#endif
+#ifndef CFG_BIAS
+#define CFG_BIAS 0          // q/k/v biases (Qwen2): fp32 [NL][L][RQKV], added before RoPE
+#endif
 #ifndef CFG_D
 #define CFG_D 3072
 #define CFG_NL 15
@@ -75,6 +81,16 @@ constexpr int SW = CFG_SW, SWN = CFG_SWN;
 constexpr int HL = H / L, KVL = KV / L, G = H / KV, HDL = HL * HD, KVDL = KVL * HD, FL = F / L;
 constexpr int RQKV = HDL + 2 * KVDL;
 constexpr int VEC = 16 / (int)sizeof(wt);
+// Quantized layer matrices (CFG_QW): GGUF's blocks of 32 weights along a row, split into two arrays over
+// the same element index e as the plain layout: quants at byte e * QBITS / 8 (Q8_0: 32 int8 a block; Q4_*:
+// GGUF's 16 bytes a block, byte j = element j (low nibble) and element j + 16 (high)), scales at block
+// e / 32 (Q8_0 / Q4_0: the fp16 d; Q4_1: one word, fp16 d low and fp16 m high). A 16-byte load of quants
+// is QCW weights: a half block (Q8_0) or one block (Q4_*), so every lane needs one scale a chunk.
+constexpr int QW = CFG_QW;
+constexpr int QBITS = QW == 1 ? 8 : 4;
+constexpr int QCW = QW == 0 ? VEC : (QW == 1 ? 16 : 32);   // weights a 16-byte chunk of a matrix row
+constexpr int QSB = QW == 3 ? 4 : 2;                        // bytes of a block's scale (and min)
+typedef unsigned long long qoff;
 constexpr int NB = CFG_NB, NT = CFG_NT, NW = NT / 32;
 constexpr int PF = CFG_PF;
 constexpr long long PF_ATT = CFG_PF_ATT;
@@ -85,6 +101,7 @@ static_assert(HD % 2 == 0, "RoPE needs an even head_dim");
 static_assert(D % VEC == 0 && HDL % VEC == 0 && FL % VEC == 0 && HD % VEC == 0, "16-byte rows");
 static_assert(HD / VEC <= 32, "head_dim too large for one warp");
 static_assert(D % 4 == 0, "hidden size must be a multiple of 4");
+static_assert(QW == 0 || (D % 32 == 0 && HDL % 32 == 0 && FL % 32 == 0), "quantized rows: multiples of 32");
 __host__ __device__ constexpr bool sliding(int i) {
   return SW > 0 && (SWN >= 0 ? i < SWN : i >= NL + SWN);
 }
@@ -157,6 +174,14 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* x) {
   }
   return s;
 }
+
+// ---- quantized chunks: 16 bytes of quants -> floats without a conversion instruction: a byte b placed
+// under the exponent of 2^23 is the float 2^23 + b exactly, so one byte permute and one subtraction
+// (of 2^23 plus the type's offset) give the weight's integer exactly
+__device__ __forceinline__ float qbyte(u32 v, int k, float magic) {
+  return __int_as_float(__byte_perm(v, 0x4B00u, 0x5440u + (u32)k)) - magic;
+}
+__device__ __forceinline__ float hbits2f(u32 bits16) { return h2f((u16)bits16); }
 
 // ---- memory ------------------------------------------------------------------------------------
 // weights: read once per token, never written by the kernel: non-coherent path, no L1 allocation

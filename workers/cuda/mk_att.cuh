@@ -100,9 +100,9 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
   {  // the output projection's weights come next: ask L2 for them now
     int wa, wb;
     brange(U_WO, wa, wb);
-    const wt* Wo = p.w + (long long)i * LAYER_SZ + OFF_WO;
-    const int nb = wbuf_fill(sm, Wo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
-    prefetch_l2(Wo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO * sizeof(wt), PF_ATT);
+    const long long Eo = (long long)i * LAYER_SZ + OFF_WO;
+    const int nb = wbuf_fill(sm, p.w + Eo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
+    prefetch_w(p, Eo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO, PF_ATT);
   }
   if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

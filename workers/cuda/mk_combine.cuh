@@ -82,7 +82,7 @@ __device__ __forceinline__ int next_unit(int u, int ua, int* q) {
 // several ranks, posted as LL words (mr_put; nothing with one rank). The caller resets the queue (reset_units)
 // before the barrier that precedes it.
 template <int NR, int K, int UB>
-__device__ __forceinline__ void combine_rows(const Params& p, float* sm, const wt* W, int i, int kind, int ua, int ub,
+__device__ __forceinline__ void combine_rows(const Params& p, float* sm, long long E, int i, int kind, int ua, int ub,
                                              int nbuf, int l0, const float* cb, const MrPost& mp) {
   constexpr int UPL = D / NR, UE = NR * K;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -92,7 +92,7 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, const w
     if (u - ua < nbuf)
       warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE, NR, sm + (l - l0) * K, acc);
     else
-      warp_dot<NR, K, false, UB>(W + ((long long)l * D + r0) * K, NR, sm + (l - l0) * K, acc);
+      wdot<NR, K, UB>(p, E + ((long long)l * D + r0) * K, NR, sm + (l - l0) * K, acc);
     if (lane < NR) {
       const float pv = pick(acc, NR, lane);
       combine_finish(p, i, kind, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR + lane));
@@ -150,7 +150,7 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
     const MrSums<CFG_MRE> a = mr_lane_sums<CFG_MRE>(m, R, 0);
 #pragma unroll
     for (int k = 0; k < CFG_MRE; ++k)
-      if (d0 + k * NT < D) y[xp(d0 + k * NT, D)] = a.t[k] / (float)LG;
+      if (d0 + k * NT < D) y[xpv(d0 + k * NT, D)] = a.t[k] / (float)LG;
   }
   if (threadIdx.x == 0) {
     int c = 0;

@@ -7,14 +7,22 @@
 #ifndef CFG_XPLANES
 #define CFG_XPLANES 1
 #endif
-// An input vector x of K floats (K = D, HDL or FL) is kept in shared memory in two planes when VEC = 8:
-// x[8c .. 8c+3] at 4c, x[8c+4 .. 8c+7] at K/2 + 4c, so that the float4 loads of a warp's 32 consecutive
-// 16-byte weight chunks read consecutive addresses (no bank conflicts). VEC = 4 (fp32): as is.
+// An input vector x of K floats (K = D, HDL or FL) is kept in shared memory in planes of chunks: with CW
+// weights a 16-byte chunk of a row, float4 s of chunk c (x[c CW + 4 s .. + 3]) sits at (s K / CW + c) * 4,
+// so that the float4 loads of a warp's 32 consecutive chunks read consecutive addresses (no bank
+// conflicts). bf16 / fp16 rows (CW = VEC = 8): x[8c .. 8c+3] at 4c, x[8c+4 .. 8c+7] at K/2 + 4c;
+// fp32 (CW = 4): as is; quantized layer rows: CW = QCW (16 or 32). The LM head (in the storage type)
+// reads its input in the storage type's planes (xpv) also when the layers are quantized.
 constexpr bool XPL = CFG_XPLANES && VEC == 8;
-__device__ __forceinline__ int xp(int d, int K) {
-  return XPL ? ((d & 7) >> 2) * (K >> 1) + ((d >> 3) << 2) + (d & 3) : d;
+constexpr int XCW_W = XPL ? VEC : 4;            // planes of the storage type's rows
+constexpr int XCW_L = QW ? QCW : XCW_W;         // planes of the layer matrices' inputs
+template <int CW>
+__device__ __forceinline__ int xpc(int d, int K) {
+  return CW == 4 ? d : ((d % CW) >> 2) * (K / CW) * 4 + (d / CW) * 4 + (d & 3);
 }
-// dot of 16 bytes of storage (chunk c of a row of K) with x (shared, K floats, planes as above)
+__device__ __forceinline__ int xp(int d, int K) { return xpc<XCW_L>(d, K); }
+__device__ __forceinline__ int xpv(int d, int K) { return xpc<XCW_W>(d, K); }
+// dot of 16 bytes of storage (chunk c of a row of K) with x (shared, K floats, planes xpv)
 template <int K>
 __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
   if (!XPL) return dot16(w, xs + c * VEC);
@@ -26,6 +34,39 @@ __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
   s = fmaf(f[0], a.x, s); s = fmaf(f[1], a.y, s); s = fmaf(f[2], a.z, s); s = fmaf(f[3], a.w, s);
   s = fmaf(f[4], b.x, s); s = fmaf(f[5], b.y, s); s = fmaf(f[6], b.z, s); s = fmaf(f[7], b.w, s);
   return s;
+}
+// dot of one quantized chunk c of a row of K (16 bytes of quants w, its block's scale word sc) with x
+// (planes xp): the integers' dot, then times d (plus m times the sum of x for Q4_1)
+template <int K>
+__device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c) {
+  constexpr int NC = K / QCW;
+  const u32 v[4] = {w.x, w.y, w.z, w.w};
+  float s = 0.f, sx = 0.f;
+  if (QW == 1) {   // Q8_0: 16 int8 (bytes + 128 as unsigned), float4 s = word s
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
+      const u32 u = v[q] ^ 0x80808080u;
+      s = fmaf(qbyte(u, 0, 8388736.f), a.x, s); s = fmaf(qbyte(u, 1, 8388736.f), a.y, s);
+      s = fmaf(qbyte(u, 2, 8388736.f), a.z, s); s = fmaf(qbyte(u, 3, 8388736.f), a.w, s);
+    }
+  } else {         // Q4_*: word q's low nibbles are elements 4q.., its high nibbles elements 16 + 4q..
+    constexpr float MG = QW == 2 ? 8388616.f : 8388608.f;   // Q4_0: q - 8; Q4_1: q
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const u32 lo = v[q] & 0x0F0F0F0Fu, hi = (v[q] >> 4) & 0x0F0F0F0Fu;
+      const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
+      const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
+      s = fmaf(qbyte(lo, 0, MG), a.x, s); s = fmaf(qbyte(lo, 1, MG), a.y, s);
+      s = fmaf(qbyte(lo, 2, MG), a.z, s); s = fmaf(qbyte(lo, 3, MG), a.w, s);
+      s = fmaf(qbyte(hi, 0, MG), b.x, s); s = fmaf(qbyte(hi, 1, MG), b.y, s);
+      s = fmaf(qbyte(hi, 2, MG), b.z, s); s = fmaf(qbyte(hi, 3, MG), b.w, s);
+      if (QW == 3) sx += ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+    }
+  }
+  float r = hbits2f(sc & 0xffffu) * s;
+  if (QW == 3) r = fmaf(hbits2f(sc >> 16), sx, r);
+  return r;
 }
 __device__ __forceinline__ void brange(int U, int& a, int& b) {
   a = (int)((long long)blockIdx.x * U / NB);
@@ -103,4 +144,67 @@ __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, c
   }
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// the quantized form of warp_dot: NR rows of K starting at element e (quants at qb, scales at sb)
+__device__ __forceinline__ u32 ld_scale(const void* sb, long long blk) {
+  if (QSB == 4) return __ldg(reinterpret_cast<const u32*>(sb) + blk);
+  return (u32)__ldg(reinterpret_cast<const u16*>(sb) + blk);
+}
+template <int NR, int K, int UBM = CFG_UBMAX>
+__device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long e,
+                                          int nvalid, const float* xs, float* out) {
+  constexpr int NCHK = K / QCW;
+  constexpr int CPL = (NCHK + 31) / 32;
+  constexpr int UB0 = UBM / NR;
+  constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
+  constexpr int CPB = 32 / QCW;   // chunks a block: 2 (Q8_0) or 1
+  const int lane = threadIdx.x & 31;
+  float acc[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int b0 = 0; b0 < CPL; b0 += UB) {
+    uint4 wv[NR][UB];
+    u32 sc[NR][UB];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+      for (int u = 0; u < UB; ++u) {
+        const int c = (b0 + u) * 32 + lane;
+        if (b0 + u < CPL && c < NCHK && r < nvalid) {
+          const long long er = e + (long long)r * K;
+          wv[r][u] = ldw(qb + er * QBITS / 8 + (long long)c * 16);
+          sc[r][u] = ld_scale(sb, er / 32 + c / CPB);
+        } else {
+          wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
+          sc[r][u] = 0u;
+        }
+      }
+#pragma unroll
+    for (int u = 0; u < UB; ++u)      // chunk by chunk: one chunk's 16-32 inputs live, shared by the rows
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const int c = (b0 + u) * 32 + lane;
+        if (b0 + u < CPL && c < NCHK) acc[r] += dotq<K>(wv[r][u], sc[r][u], xs, c);
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+// a layer matrix's rows (element e of p.w's index), in whichever storage the build has
+template <int NR, int K, int UBM = CFG_UBMAX>
+__device__ __forceinline__ void wdot(const Params& p, long long e, int nvalid, const float* xs, float* out) {
+  if constexpr (QW != 0) warp_dotq<NR, K, UBM>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
+  else warp_dot<NR, K, false, UBM>(p.w + e, nvalid, xs, out);
+}
+// bytes of n elements of the layer matrices, and the L2 prefetch of elements [e, e + n) (quants and scales)
+__device__ __forceinline__ long long wbytes(long long n) { return QW ? n * QBITS / 8 : n * (long long)sizeof(wt); }
+__device__ __forceinline__ void prefetch_w(const Params& p, long long e, long long n, long long limit) {
+  if (QW) {
+    prefetch_l2(reinterpret_cast<const unsigned char*>(p.w) + e * QBITS / 8, wbytes(n), limit);
+    prefetch_l2(reinterpret_cast<const unsigned char*>(p.ws) + e / 32 * QSB, n / 32 * QSB, limit / 8);
+  } else {
+    prefetch_l2(p.w + e, wbytes(n), limit);
+  }
 }

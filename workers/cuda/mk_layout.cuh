@@ -83,6 +83,7 @@ constexpr int WBUF_OFF = ((SM_MAIN + 3) / 4) * 4;
 constexpr int GS_OFF = WBUF_OFF + PFS / 4;                       // [2][D] norm weights (NORM2)
 constexpr int SM_FLOATS = GS_OFF + (NORM2 ? 2 * D : 0);         // + the weight buffer (16-byte aligned)
 static_assert(SM_FLOATS * 4 <= 225 * 1024, "shared memory: lower CFG_PFS");
+static_assert(QW == 0 || PFS == 0, "quantized layer matrices: no shared-memory copies of weights (CFG_PFS 0)");
 // units' sizes in elements of wt
 constexpr int UE_QKV = 2 * D, UE_WO = NR_WO * HDL, UE_W13 = 2 * D, UE_W2 = NR_W2 * FL, UE_LM = 2 * D;
 // the first units of the block's range copied into shared memory; returns how many there will be
@@ -136,10 +137,12 @@ struct Params {                  // every field 8 bytes; backend.py fills it in 
   u64* timing;                   // 55 [5NL+2][NB][TMARKS] globaltimer marks of one token, or null
   long long timing_token;        // 56
   const float2* rope;            // 57 [max_seq][HD/2] (cos, sin) of position * theta^(-2k/HD)
+  const void* ws;                // 58 scales of quantized layer matrices (CFG_QW; common.cuh), or null
+  const float* bias;             // 59 q/k/v biases [NL][L][RQKV] (CFG_BIAS), or null
 #if KOG_NRANKS > 1
-  const KcclDev* kd;             // 58 CudaCommunicator.dev_ptr
-  long long e0[3];               // 59..61 first epoch of this launch on channels attn, mlp, final
-  float* yfin;                   // 62 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
+  const KcclDev* kd;             // 60 CudaCommunicator.dev_ptr
+  long long e0[3];               // 61..63 first epoch of this launch on channels attn, mlp, final
+  float* yfin;                   // 64 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
 #endif
 };
 // CFG_PCONST 1: the kernel takes Params by value (__grid_constant__: the words are constant-bank operands

@@ -266,7 +266,7 @@ __device__ __noinline__ void final_norms(const Params& p_, int tok, float* red, 
 #pragma unroll
     for (int e = 0; e < DPT; ++e) {
       const int d = threadIdx.x + e * NT;
-      if (d < D) y[xp(d, D)] = acc[e] / (float)L;
+      if (d < D) y[xpv(d, D)] = acc[e] / (float)L;   // the LM head's input: the storage type's planes
     }
   __syncthreads();
 }

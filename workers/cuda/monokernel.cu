@@ -53,10 +53,10 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   const int ph = 5 * i;
   tmark(p, n, ph, 0);
   brange(U_QKV, ua, ub);
-  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_QKV;
+  const long long E = (long long)i * LAYER_SZ + OFF_QKV;   // element index of the region (p.w, p.ws)
+  const wt* W = p.w + E;                                    // (plain storage only: wbuf_fill, PFS > 0)
   const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
-  if (!prefilled)
-    prefetch_l2(W + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV * sizeof(wt), PF);
+  if (!prefilled) prefetch_w(p, E + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV, PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
@@ -68,7 +68,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     else wait_lanes(p, C_W2, 0, L - 1, tgt);
   }
   if constexpr (SKEW_NS > 0) {
-    const int grp = min(SKEW_G - 1, l0 / (L / SKEW_G));   // the block's lane group
+    const int grp = min(SKEW_G - 1, l0 / (L / SKEW_G > 0 ? L / SKEW_G : 1));   // the block's lane group
     if (i == SKEW_I && grp > 0 && threadIdx.x == 0) {
       const u64 wait_ns = (u64)(SKEW_NS * grp / (SKEW_G - 1));
       const u64 t0 = gtimer();
@@ -92,9 +92,13 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_QKV, 2, sm + (l - l0) * D, acc);
-    else warp_dot<2, D, false, CFG_UB_QKV>(W + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
+    else wdot<2, D, CFG_UB_QKV>(p, E + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
       float x0 = acc[0], x1 = acc[1];
+      if (CFG_BIAS) {   // Qwen2's q/k/v biases: after the projection, before RoPE
+        const float* b = p.bias + ((long long)i * L + l) * RQKV + row;
+        x0 += b[0]; x1 += b[1];
+      }
       if (region < 2) {
         const float c = cs.x, sn = cs.y;
         const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
@@ -140,8 +144,8 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 2;
   tmark(p, n, ph, 0);
   brange(U_WO, ua, ub);
-  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_WO;
-  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
+  const long long E = (long long)i * LAYER_SZ + OFF_WO;
+  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
   const MrPost mp = mr_post(p, 0, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
@@ -177,7 +181,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   reset_units();
   __syncthreads();
   tmark(p, n, ph, 3);
-  combine_rows<NR_WO, HDL, CFG_UB_WO>(p, sm, W, i, 0, ua, ub, nbuf, l0, cb, mp);
+  combine_rows<NR_WO, HDL, CFG_UB_WO>(p, sm, E, i, 0, ua, ub, nbuf, l0, cb, mp);
   tmark(p, n, ph, 4);
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
   tmark(p, n, ph, 2);
@@ -188,9 +192,9 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 3;
   tmark(p, n, ph, 0);
   brange(U_W13, ua, ub);
-  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W13;
-  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W13, ub - ua, UE_W13, true);
-  prefetch_l2(W + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13 * sizeof(wt), PF);
+  const long long E = (long long)i * LAYER_SZ + OFF_W13;
+  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_W13, ub - ua, UE_W13, true);
+  prefetch_w(p, E + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13, PF);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;
@@ -214,7 +218,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
-    else warp_dot<2, D>(W + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
+    else wdot<2, D>(p, E + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
   }
   tmark(p, n, ph, 4);
@@ -227,9 +231,9 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 4;
   tmark(p, n, ph, 0);
   brange(U_W2, ua, ub);
-  const wt* W = p.w + (long long)i * LAYER_SZ + OFF_W2;
-  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_W2, ub - ua, UE_W2, true);
-  prefetch_l2(W + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2 * sizeof(wt), PF);
+  const long long E = (long long)i * LAYER_SZ + OFF_W2;
+  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_W2, ub - ua, UE_W2, true);
+  prefetch_w(p, E + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2, PF);
   const MrPost mp = mr_post(p, 1, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
@@ -251,7 +255,7 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   reset_units();
   __syncthreads();
   tmark(p, n, ph, 3);
-  combine_rows<NR_W2, FL, CFG_UBMAX>(p, sm, W, i, 1, ua, ub, nbuf, l0, cb, mp);
+  combine_rows<NR_W2, FL, CFG_UBMAX>(p, sm, E, i, 1, ua, ub, nbuf, l0, cb, mp);
   tmark(p, n, ph, 4);
   signal_lanes(p, C_W2, UPL_W2, ua, ub);
   tmark(p, n, ph, 2);
@@ -299,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
       int ua, ub;
       brange(U_QKV, ua, ub);
       const int nb = wbuf_fill(sm, p.w + (long long)ua * UE_QKV, ub - ua, UE_QKV, true);
-      prefetch_l2(p.w + (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV * sizeof(wt), PF);
+      prefetch_w(p, (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV, PF);
       if (NORM2 && ua < ub)   // layer 0's norm weights do not depend on the token
         norm_g_load(sm, p.norms, ua / UPL_QKV, (ub - 1) / UPL_QKV - ua / UPL_QKV + 1);
       tmark(p, n, 5 * NL + 1, 0);

@@ -31,8 +31,9 @@ extern "C" __global__ void pf_norm(const float* __restrict__ X, const float* __r
 }
 
 // Y [L][T][RQKV] -> rotated q [L][T][HDL] fp32, rotated k and v into the cache at pos0 + t
+// bias: the layer's q/k/v biases [L][RQKV] (CFG_BIAS), added before the rotation
 extern "C" __global__ void pf_rope(const float* __restrict__ Y, int T, int pos0, int layer, float* Q, wt* kc, wt* vc,
-                                   long long max_seq, const float2* __restrict__ rope) {
+                                   long long max_seq, const float2* __restrict__ rope, const float* __restrict__ bias) {
   const long long n = (long long)L * T * (RQKV / 2);
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
     const int pr = (int)(x % (RQKV / 2));
@@ -40,6 +41,10 @@ extern "C" __global__ void pf_rope(const float* __restrict__ Y, int T, int pos0,
     const int t = (int)(lt % T), l = (int)(lt / T);
     const int row = 2 * pr;
     float x0 = Y[lt * RQKV + row], x1 = Y[lt * RQKV + row + 1];
+    if (CFG_BIAS) {
+      x0 += bias[(long long)l * RQKV + row];
+      x1 += bias[(long long)l * RQKV + row + 1];
+    }
     int r = row, region = 0;
     if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
     const int hh = r / HD, dd = r % HD;
@@ -194,4 +199,77 @@ extern "C" __global__ void f32_to_w(const float* __restrict__ in, wt* out, long 
 extern "C" __global__ void w_to_f32(const wt* __restrict__ in, float* out, long long n) {
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x)
     out[x] = w2f(in[x]);
+}
+
+// ---- quantized layer matrices (CFG_QW, common.cuh's layout) ---------------------------------------
+// blocks [b0, b0 + nb) of quants qb / scales sb as the storage type (the prefill's GEMM operands) or fp32,
+// value for value gguf.quants' dequantization: Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m (no fused multiply-add)
+template <typename T>
+__device__ __forceinline__ void deq_block(const unsigned char* qb, const void* sb, long long b, T* out) {
+  const u32 sc = QSB == 4 ? reinterpret_cast<const u32*>(sb)[b] : (u32)reinterpret_cast<const u16*>(sb)[b];
+  const float d = h2f((u16)(sc & 0xffffu)), m = h2f((u16)(sc >> 16));
+  for (int j = 0; j < 32; ++j) {
+    float v;
+    if (QW == 1) {
+      v = __fmul_rn(d, (float)(signed char)qb[b * 32 + j]);
+    } else {
+      const unsigned char by = qb[b * 16 + (j & 15)];
+      const int q = j < 16 ? (by & 15) : (by >> 4);
+      v = QW == 2 ? __fmul_rn(d, (float)(q - 8)) : __fadd_rn(__fmul_rn(d, (float)q), m);
+    }
+    if constexpr (sizeof(T) == 4) out[j] = v;
+    else out[j] = f2w(v);
+  }
+}
+extern "C" __global__ void q_to_w(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long b0,
+                                  long long nb, wt* out) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nb; x += (long long)gridDim.x * blockDim.x)
+    deq_block<wt>(qb, sb, b0 + x, out + x * 32);
+}
+extern "C" __global__ void q_to_f32(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long b0,
+                                    long long nb, float* out) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nb; x += (long long)gridDim.x * blockDim.x)
+    deq_block<float>(qb, sb, b0 + x, out + x * 32);
+}
+__device__ __forceinline__ float roundf_away(float n) {   // gguf.quants.np_roundf: half away from zero
+  const float a = fabsf(n), fl = floorf(a);
+  return copysignf(fl + floorf(2.f * (a - fl)), n) * (n != 0.f ? 1.f : 0.f);
+}
+// fp32 x [nb * 32] -> blocks [b0, b0 + nb): round to nearest exactly as gguf.quants' quantize_blocks does
+// (its float32 operations one by one, so the bits are the reference's)
+extern "C" __global__ void f32_to_q(const float* __restrict__ x, long long b0, long long nb, unsigned char* qb, void* sb) {
+  for (long long bx = blockIdx.x * (long long)blockDim.x + threadIdx.x; bx < nb; bx += (long long)gridDim.x * blockDim.x) {
+    const float* v = x + bx * 32;
+    const long long b = b0 + bx;
+    if (QW == 1) {
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      const float d = __fdiv_rn(amax, 127.f), id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
+      for (int j = 0; j < 32; ++j) qb[b * 32 + j] = (unsigned char)(signed char)(int)roundf_away(__fmul_rn(v[j], id));
+      reinterpret_cast<u16*>(sb)[b] = f2h(d);
+    } else if (QW == 2) {
+      float amax = 0.f, mx = 0.f;
+      for (int j = 0; j < 32; ++j)
+        if (fabsf(v[j]) > amax) { amax = fabsf(v[j]); mx = v[j]; }   // the first of the largest magnitude
+      const float d = __fdiv_rn(mx, -8.f), id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
+      unsigned char q[32];
+      for (int j = 0; j < 32; ++j) {
+        const float t = truncf(__fadd_rn(__fmul_rn(v[j], id), 8.5f));
+        q[j] = (unsigned char)min(15, (int)(unsigned char)(int)t);
+      }
+      for (int j = 0; j < 16; ++j) qb[b * 16 + j] = (unsigned char)(q[j] | (q[j + 16] << 4));
+      reinterpret_cast<u16*>(sb)[b] = f2h(d);
+    } else {
+      float mx = v[0], mn = v[0];
+      for (int j = 1; j < 32; ++j) { mx = fmaxf(mx, v[j]); mn = fminf(mn, v[j]); }
+      const float d = __fdiv_rn(__fsub_rn(mx, mn), 15.f), id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
+      unsigned char q[32];
+      for (int j = 0; j < 32; ++j) {
+        const float t = truncf(__fadd_rn(__fmul_rn(__fsub_rn(v[j], mn), id), 0.5f));
+        q[j] = (unsigned char)min(15, (int)(unsigned char)(int)t);
+      }
+      for (int j = 0; j < 16; ++j) qb[b * 16 + j] = (unsigned char)(q[j] | (q[j + 16] << 4));
+      reinterpret_cast<u32*>(sb)[b] = (u32)f2h(d) | ((u32)f2h(mn) << 16);
+    }
+  }
 }

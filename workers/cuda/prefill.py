@@ -35,8 +35,8 @@ class Prefill:
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self._bufs = {}
-        self.wdt = DT_CODE[dw.dtype]
-        self.compute = CUBLAS_COMPUTE_32F_PEDANTIC if dw.dtype == "F32" else CUBLAS_COMPUTE_32F
+        self.wdt = DT_CODE[dw.base]   # quantized layer matrices: their dequantization in this type (dw.layer)
+        self.compute = CUBLAS_COMPUTE_32F_PEDANTIC if dw.base == "F32" else CUBLAS_COMPUTE_32F
         self.shared = None   # the multi-rank exchange buffer: made here, at start-up (collective)
         if self.comm is not None:
             from kccl.cuda_shared import SharedBuffer
@@ -81,7 +81,7 @@ class Prefill:
         hdl, fl = cfg.heads_per_lane * hd, cfg.ffn_per_lane
         rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
         delta = cfg.broadcast_delay
-        st = dw.w.dtype
+        st = dw.emb.dtype
         ids_d = cp.asarray(np.asarray(ids, dtype=np.int32))
         X = self._buf("X", (L, T, D), cp.float32)
         Xn = self._buf("Xn", (L, T, max(D, fl, hdl)), st)
@@ -91,14 +91,15 @@ class Prefill:
         grid = lambda n: (int(max(1, min(65535, (n + 255) // 256))),)
         fn["pf_embed"](grid(T * D), (256,), (dw.emb, ids_d, np.int32(T), X))
         for i in range(N):
-            r = dw.regions(i)
+            r = dw.layer(i, self.k)
             # attention
             xn = Xn.reshape(-1)[:L * T * D]
             fn["pf_norm"]((L * T,), (256,), (X, dw.norms[i, 0], xn, np.int32(T)))
             y = Y.reshape(-1)[:L * T * rqkv]
             self._gemm(r["qkv"], rqkv, D, xn, T, y)
             fn["pf_rope"](grid(L * T * rqkv // 2), (256,), (y, np.int32(T), np.int32(pos0), np.int32(i), Q, kc, vc,
-                                                          np.int64(max_seq), self.rope))
+                                                          np.int64(max_seq), self.rope,
+                                                          dw.bias[i] if dw.bias is not None else np.uint64(0)))
             o = Xn.reshape(-1)[:L * T * hdl]
             nw = T * cfg.num_attention_heads
             fn["pf_attn"](((nw + 7) // 8,), (256,), (Q, kc, vc, np.int32(T), np.int32(pos0), np.int32(i),

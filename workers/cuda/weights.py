@@ -11,9 +11,32 @@ final norm fp32 [L][D]; embedding and LM head [V][D] in the storage type (one bu
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 STORAGE_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+QTYPES = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}          # CFG_QW of each quantized storage of the layer matrices
+QBITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+QSCALE_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}     # a block's fp16 d (and fp16 m) in the scale array
+LAYER_MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+def split_dtype(dtype: str) -> tuple[str | None, str]:
+    """A storage name -> (quantized type of the layer matrices or None, storage type of the rest).
+    "BF16" / "F16" / "F32": everything in that type; "Q8_0" / "Q4_0" / "Q4_1": the layer matrices in GGUF
+    blocks, embedding, LM head and KV cache in BF16; "Q4_0:F32": the same with the rest in F32 (exact tests)."""
+    q, _, base = str(dtype).upper().partition(":")
+    if q in QTYPES:
+        base = base or "BF16"
+        if base not in STORAGE_NP:
+            raise ValueError(f"unknown storage type {dtype!r}")
+        return q, base
+    if q in STORAGE_NP and not base:
+        return None, q
+    raise ValueError(f"unknown storage type {dtype!r} (known: BF16, F16, F32, Q8_0, Q4_0, Q4_1, e.g. Q4_0:F32)")
 
 
 def layer_elems(cfg) -> int:
@@ -23,11 +46,21 @@ def layer_elems(cfg) -> int:
     return L * rqkv * D + L * D * hdl + L * fl * 2 * D + L * D * fl
 
 
+def matrix_bytes(n: int, dtype: str) -> int:
+    """Bytes of n elements of the layer matrices in storage `dtype` (quants and scales when quantized)."""
+    q, base = split_dtype(dtype)
+    if q:
+        return n * QBITS[q] // 8 + n // 32 * QSCALE_BYTES[q]
+    return n * STORAGE_NP[base]().itemsize
+
+
 def streamed_bytes(cfg, dtype: str) -> int:
     """Weight bytes read per decoded token: every layer and the LM head (not the embedding table). A rank's
     view (multirank.RankView): its lanes and its share of the LM head rows."""
-    isz = 4 if dtype == "F32" else 2
-    return (layer_elems(cfg) * cfg.num_hidden_layers + getattr(cfg, "lm_rows", cfg.vocab_size) * cfg.hidden_size) * isz
+    _, base = split_dtype(dtype)
+    isz = STORAGE_NP[base]().itemsize
+    return (matrix_bytes(layer_elems(cfg), dtype) * cfg.num_hidden_layers
+            + getattr(cfg, "lm_rows", cfg.vocab_size) * cfg.hidden_size * isz)
 
 
 def _to_storage(arr: np.ndarray, dt: str, target: str) -> np.ndarray:
@@ -44,59 +77,164 @@ class DeviceWeights:
     def __init__(self, cfg, dtype: str):
         import cupy as cp
         self.cfg, self.dtype = cfg, dtype
+        self.qtype, self.base = split_dtype(dtype)
         D, L, N, V = cfg.hidden_size, cfg.num_lanes, cfg.num_hidden_layers, cfg.vocab_size
-        st = STORAGE_NP[dtype]
+        st = STORAGE_NP[self.base]
         self.layer_elems = layer_elems(cfg)
-        self.w = cp.empty(N * self.layer_elems, dtype=st)
+        if self.qtype:
+            n = N * self.layer_elems
+            self.w = cp.empty(n * QBITS[self.qtype] // 8, dtype=cp.uint8)
+            self.ws = cp.empty(n // 32 * QSCALE_BYTES[self.qtype] // 2, dtype=cp.uint16)
+        else:
+            self.w = cp.empty(N * self.layer_elems, dtype=st)
+            self.ws = None
         self.norms = cp.empty((N, 2, L, D), dtype=cp.float32)
         self.fnorm = cp.empty((L, D), dtype=cp.float32)
         self.emb = cp.empty((V, D), dtype=st)
         self.lm = self.emb if cfg.tie_word_embeddings else cp.empty((V, D), dtype=st)
+        rq = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * cfg.head_dim
+        self.bias = cp.zeros((N, L, rq), dtype=cp.float32) if getattr(cfg, "attention_bias", False) else None
+        self._scratch = None
 
-    # views of one layer's regions (elements of the storage type)
-    def regions(self, i: int):
+    def region_shapes(self):
         cfg = self.cfg
         L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
         rqkv = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * hd
         hdl, fl = cfg.heads_per_lane * hd, cfg.ffn_per_lane
-        base = i * self.layer_elems
-        sizes = [("qkv", (L, rqkv, D)), ("wo", (L, D, hdl)), ("w13", (L, fl, 2, D)), ("w2", (L, D, fl))]
-        out, off = {}, base
-        for name, shape in sizes:
+        return [("qkv", (L, rqkv, D)), ("wo", (L, D, hdl)), ("w13", (L, fl, 2, D)), ("w2", (L, D, fl))]
+
+    def region_offset(self, name: str) -> int:
+        off = 0
+        for n, shape in self.region_shapes():
+            if n == name:
+                return off
+            off += int(np.prod(shape))
+        raise KeyError(name)
+
+    # views of one layer's regions (elements of the storage type; plain storage only)
+    def regions(self, i: int, base=None):
+        if self.qtype and base is None:
+            raise ValueError("quantized layer matrices have no plain views: use layer(i, kernels)")
+        w = self.w if base is None else base
+        out, off = {}, (i * self.layer_elems if base is None else 0)
+        for name, shape in self.region_shapes():
             n = int(np.prod(shape))
-            out[name] = self.w[off:off + n].reshape(shape)
+            out[name] = w[off:off + n].reshape(shape)
             off += n
         return out
+
+    def layer(self, i: int, kernels):
+        """Layer i's regions in the storage type: views of the weights, or (quantized matrices) their exact
+        dequantization into a scratch buffer of one layer (the prefill's GEMM operands)."""
+        if not self.qtype:
+            return self.regions(i)
+        import cupy as cp
+        if self._scratch is None:
+            self._scratch = cp.empty(self.layer_elems, dtype=STORAGE_NP[self.base])
+        nb = self.layer_elems // 32
+        kernels.fn["q_to_w"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
+                             (self.w, self.ws, np.int64(i * nb), np.int64(nb), self._scratch))
+        return self.regions(i, self._scratch)
+
+    def put(self, i: int, name: str, lane: int | None, values, kernels) -> None:
+        """Write float32 device `values` into region `name` of layer i (one lane's slice, or all lanes):
+        converted to the storage type, or quantized (gguf.quants' rounding, prefill.cu f32_to_q)."""
+        import cupy as cp
+        shape = dict(self.region_shapes())[name]
+        per_lane = int(np.prod(shape[1:]))
+        e0 = i * self.layer_elems + self.region_offset(name) + (lane or 0) * per_lane
+        x = cp.ascontiguousarray(values, dtype=cp.float32).reshape(-1)
+        if not self.qtype:
+            dst = self.w[e0:e0 + x.size]
+            if self.base == "F32":
+                dst[...] = x
+            else:
+                kernels.fn["f32_to_w"]((max(1, min(4096, (x.size + 255) // 256)),), (256,), (x, dst, np.int64(x.size)))
+            return
+        nb = x.size // 32
+        kernels.fn["f32_to_q"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
+                               (x, np.int64(e0 // 32), np.int64(nb), self.w, self.ws))
 
     @property
     def nbytes(self) -> int:
         n = self.w.nbytes + self.norms.nbytes + self.fnorm.nbytes + self.emb.nbytes
+        n += 0 if self.ws is None else self.ws.nbytes
+        n += 0 if self.bias is None else self.bias.nbytes
         return n + (0 if self.lm is self.emb else self.lm.nbytes)
 
 
-def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress=None, view=None) -> DeviceWeights:
-    """Read a checkpoint and upload it in the streaming layout: all lanes, or with `view` (a
-    multirank.RankView of this config) the rank's lanes only (the embedding and the whole LM head are
-    uploaded on every rank; each computes only its share of the head's rows, multirank.lm_rows)."""
-    import cupy as cp
+def open_source(model, cfg=None):
+    """A tensor source for `model`: a source object as it is, or a path opened with
+    kog_dist.formats.open_model (every format), or as a Laneformer directory with `cfg` given."""
+    if not isinstance(model, (str, os.PathLike)):
+        return model
     from kog_dist.checkpoint import CheckpointReader
+    if cfg is not None:
+        return CheckpointReader(os.fspath(model), cfg)
+    try:
+        from kog_dist.formats import open_model
+    except ImportError:
+        return CheckpointReader(os.fspath(model))
+    return open_model(os.fspath(model), progress=False)
+
+
+def default_dtype(src) -> str:
+    """The storage of a source's weights when none is asked: a GGUF whose layer matrices are all Q8_0,
+    Q4_0 or Q4_1 stays in that type (embedding and LM head in BF16); other quantized types are
+    dequantized to BF16 (with a notice); else the checkpoint's own type."""
+    cfg = src.cfg
+    qt = getattr(src, "quant_type", lambda n: None)
+    names = [f"model.layers.{i}.{m}.weight" for i in range(cfg.num_hidden_layers) for m in LAYER_MATRICES]
+    kinds = {qt(n) for n in names}
+    if len(kinds) == 1 and next(iter(kinds)) in QTYPES:
+        return next(iter(kinds))
+    if kinds != {None}:
+        other = sorted(k for k in kinds if k is not None)
+        print(f"[kog] cuda backend: layer matrices of types {', '.join(other)} are dequantized to BF16 at load",
+              file=sys.stderr, flush=True)
+        return "BF16"
+    return src.dtype("model.layers.0.attention.wq.weight")
+
+
+def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, view=None,
+                    kernels=None) -> DeviceWeights:
+    """Read a checkpoint (a path or a tensor source: kog_dist.formats.open_model, CheckpointReader) and
+    upload it in the streaming layout: all lanes, or with `view` (a multirank.RankView of this config) the
+    rank's lanes only (the embedding and the whole LM head are uploaded on every rank; each computes only
+    its share of the head's rows, multirank.lm_rows). Quantized storage needs `kernels` (a build of that
+    storage: its f32_to_q); plain storage converts on the host. A source passed in stays open."""
+    import cupy as cp
     from kog_dist.progress import Progress
-    reader = CheckpointReader(model_dir, cfg)
-    cfg = reader.cfg
-    src_dt = reader.dtype("model.layers.0.attention.wq.weight")
-    dtype = dtype or src_dt
+    own = isinstance(model, (str, os.PathLike))
+    src = open_source(model, cfg)
+    cfg = src.cfg
+    dtype = dtype or default_dtype(src)
     dw = DeviceWeights(view if view is not None else cfg, dtype)
+    if dw.qtype and kernels is None:
+        raise ValueError("quantized storage is written by the kernels of its build: pass kernels=")
     N, L, D = cfg.num_hidden_layers, dw.cfg.num_lanes, cfg.hidden_size
     lanes = view.lanes if view is not None else None
+    base = dw.base
 
     def raw(name, lane_first=False):
-        a, dt = reader.raw(name, lanes) if lane_first and lanes is not None else reader.raw(name)
-        return _to_storage(a, dt, dtype)
+        a, dt = src.raw(name, lanes) if lane_first and lanes is not None else src.raw(name)
+        return _to_storage(a, dt, base)
+
+    def mat(name):   # a lane-first matrix for the layer regions: storage bits, or float32 to quantize
+        if dw.qtype:
+            return src.tensor(name, lanes) if lanes is not None else src.tensor(name)
+        return raw(name, True)
 
     def norm(prefix):
         if cfg.replicated_rmsn_scale:
-            return np.broadcast_to(reader.tensor(prefix + ".weight"), (L, D))
-        return np.broadcast_to(reader.tensor(prefix + ".scale", lanes), (L, D))
+            return np.broadcast_to(src.tensor(prefix + ".weight"), (L, D))
+        return np.broadcast_to(src.tensor(prefix + ".scale", lanes), (L, D))
+
+    def put(i, name, arr):
+        if dw.qtype:
+            dw.put(i, name, None, cp.asarray(arr), kernels)
+        else:
+            dw.regions(i)[name][...] = cp.asarray(arr)
 
     total = N + 2
     if progress is None:
@@ -104,14 +242,15 @@ def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress
     with Progress("uploading weights", total, unit=" parts", enabled=progress) as bar:
         for i in range(N):
             p = f"model.layers.{i}."
-            r = dw.regions(i)
-            qkv = np.concatenate([raw(p + "attention.wq.weight", True), raw(p + "attention.wk.weight", True),
-                                  raw(p + "attention.wv.weight", True)], axis=1)
-            r["qkv"][...] = cp.asarray(qkv)
-            r["wo"][...] = cp.asarray(raw(p + "attention.wo.weight", True))
-            r["w13"][...] = cp.asarray(np.stack([raw(p + "feed_forward.w1.weight", True),
-                                                 raw(p + "feed_forward.w3.weight", True)], axis=2))
-            r["w2"][...] = cp.asarray(raw(p + "feed_forward.w2.weight", True))
+            put(i, "qkv", np.concatenate([mat(p + "attention.wq.weight"), mat(p + "attention.wk.weight"),
+                                          mat(p + "attention.wv.weight")], axis=1))
+            put(i, "wo", mat(p + "attention.wo.weight"))
+            put(i, "w13", np.stack([mat(p + "feed_forward.w1.weight"), mat(p + "feed_forward.w3.weight")], axis=2))
+            put(i, "w2", mat(p + "feed_forward.w2.weight"))
+            if dw.bias is not None:
+                b = [src.tensor(p + f"attention.b{x}.bias", lanes) if lanes is not None
+                     else src.tensor(p + f"attention.b{x}.bias") for x in "qkv"]
+                dw.bias[i] = cp.asarray(np.concatenate(b, axis=1))
             dw.norms[i, 0] = cp.asarray(norm(p + "attention_norm"))
             dw.norms[i, 1] = cp.asarray(norm(p + "ffn_norm"))
             bar.advance(1)
@@ -121,7 +260,8 @@ def load_checkpoint(model_dir: str, cfg=None, dtype: str | None = None, progress
         if not cfg.tie_word_embeddings:
             dw.lm[...] = cp.asarray(raw("lm_head.weight"))
         bar.advance(1)
-    reader.close()
+    if own:
+        src.close()
     cp.cuda.Device().synchronize()
     return dw
 
@@ -143,24 +283,34 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
             h = (h * 1000003 + k + 1) % (1 << 62)
         return cp.random.default_rng(h)
 
+    step = 1 << 26
+
     def fill(dst, fan_in, rng, scale=1.0):
         flat = dst.reshape(-1)
-        step = 1 << 26
         for a in range(0, flat.size, step):
             n = min(step, flat.size - a)
             x = rng.standard_normal(n, dtype=cp.float32) * cp.float32(scale / np.sqrt(fan_in))
-            if dtype == "F32":
+            if dw.base == "F32":
                 flat[a:a + n] = x
             else:
                 conv((max(1, min(4096, (n + 255) // 256)),), (256,), (x, flat[a:a + n], cp.int64(n)))
 
     D, N = cfg.hidden_size, cfg.num_hidden_layers
     fans = {"qkv": D, "wo": cfg.heads_per_lane * cfg.head_dim, "w13": D, "w2": cfg.ffn_per_lane}
+    shapes = dict(dw.region_shapes())
     for i in range(N):
-        r = dw.regions(i)
         for m, (name, fan) in enumerate(fans.items()):
+            per_lane = int(np.prod(shapes[name][1:]))
             for j, g in enumerate(lanes):
-                fill(r[name][j], fan, rng_of(1, i, m, g))
+                rng = rng_of(1, i, m, g)
+                # the same draws as one lane-sized fill; chunks of 2^26 (whole blocks of 32 when quantized)
+                x = cp.concatenate([rng.standard_normal(min(step, per_lane - a), dtype=cp.float32)
+                                    for a in range(0, per_lane, step)]) * cp.float32(1.0 / np.sqrt(fan))
+                dw.put(i, name, j, x, kernels)
+                del x
+        if dw.bias is not None:   # Qwen2-like biases: 0.1 N(0, 1), one generator a layer and lane
+            for j, g in enumerate(lanes):
+                dw.bias[i, j] = 0.1 * rng_of(6, i, g).standard_normal(dw.bias.shape[-1], dtype=cp.float32)
 
     def norm_rows(shape_lead, key):   # 1 + 0.1 N(0, 1): one row per global lane, or one shared row
         if cfg.replicated_rmsn_scale:
@@ -183,7 +333,7 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
 def to_float32(dw: DeviceWeights, arr, kernels):
     """A float32 copy of a storage-type device array."""
     import cupy as cp
-    if dw.dtype == "F32":
+    if dw.base == "F32":
         return arr.astype(cp.float32)
     out = cp.empty(arr.shape, dtype=cp.float32)
     n = arr.size
