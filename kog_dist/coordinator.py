@@ -423,21 +423,24 @@ class Coordinator(Scheduler):
 
     def _housekeeping(self):
         now = time.monotonic()
-        if self.signalled is not None and not self.draining:
-            self._begin_shutdown(f"signal {self.signalled}")
-        if self.peer_failed_at is not None and self.exit_code != 1:
-            # a rank died (hydra's SIGUSR1): a running decode fails by itself (PeerLost); an idle job,
-            # or a decode still stuck after 10 s, is failed here
-            if self.active is None or now - self.peer_failed_at > 10.0:
-                self._backend_failed(self.active, RuntimeError("the launcher reported a failed rank (SIGUSR1)"))
         check = getattr(self.executor, "check_peers", None)
-        if check is not None and self.exit_code != 1 and now >= self._next_peer_check:
+        signalled = self.signalled is not None and not self.draining
+        # a signal may be the launcher's word that a rank died (Open MPI's mpirun SIGTERMs the rest):
+        # ask the peers first, so the clients hear backend_failed rather than shutting_down
+        if check is not None and self.exit_code != 1 and (signalled or now >= self._next_peer_check):
             self._next_peer_check = now + self.peer_check_s
             try:
                 check()
             except Exception as e:               # a frozen or vanished rank: the job is over
                 self._backend_failed(self.active, e)
                 return
+        if signalled:
+            self._begin_shutdown(f"signal {self.signalled}")
+        if self.peer_failed_at is not None and self.exit_code != 1:
+            # a rank died (hydra's SIGUSR1): a running decode fails by itself (PeerLost); an idle job,
+            # or a decode still stuck after 10 s, is failed here
+            if self.active is None or now - self.peer_failed_at > 10.0:
+                self._backend_failed(self.active, RuntimeError("the launcher reported a failed rank (SIGUSR1)"))
         if now - getattr(self, "_last_expiry", 0.0) >= 1.0:
             self._last_expiry = now
             self._expire_sessions()

@@ -2,7 +2,9 @@
 alive to every liveness check kccl has (its pid exists), so waits on it would only end at their 30 s
 deadline. Every rank's thread stamps CLOCK_MONOTONIC (one clock for the whole host) into its line of
 one shared page every ``interval_s``; rank 0's coordinator asks ``check()`` from its socket loop and
-fails the job when a peer's stamp is older than ``timeout_s`` (default 3 s: reported within 5 s).
+fails the job when a peer's stamp is older than ``timeout_s`` (default 3 s: reported within 5 s), or
+at once when the peer's process is gone (so a launcher's SIGTERM that follows a rank's death, as
+Open MPI's mpirun sends, is taken for the failure it is, not for a shutdown).
 
 A follower watches rank 0 with a longer deadline (4 x timeout_s) and then leaves the job (exit 1);
 it never kills rank 0, which may only be busy. Rank 0, once its clients are told, SIGKILLs the ranks
@@ -129,7 +131,11 @@ class Heartbeat:
         if self.lost:
             raise self.lost[0]
         for r in range(self.size):
-            if r != self.rank and self.age(r) > self.timeout_s:
+            if r == self.rank:
+                continue
+            if not process_alive(self.pid(r)):     # gone: say so at once, not after timeout_s
+                self.lost.append(PeerFrozen(f"rank {r} (pid {self.pid(r)}) exited", r, self.pid(r)))
+            elif self.age(r) > self.timeout_s:
                 self.lost.append(PeerFrozen(self._describe(r), r, self.pid(r)))
         if self.lost:
             raise self.lost[0]
