@@ -8,6 +8,7 @@ tensor, and bf16 needs no extra package.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -65,47 +66,116 @@ def is_lane_first(name: str) -> bool:
 
 
 # -- reading ----------------------------------------------------------------------------------------
+MAX_HEADER = 100 << 20      # safetensors' own limit on the JSON header
+MAX_DIMS = 8
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"the key {k!r} appears twice")
+        d[k] = v
+    return d
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def inside_dir(fname, where: str) -> str:
+    """`fname` (a weight_map value) if it names a file inside the model directory; a CheckpointError
+    otherwise, raised before anything outside is touched, and saying nothing about what is there."""
+    if not isinstance(fname, str) or not fname or "\0" in fname:
+        raise CheckpointError(f"{where}: a weight_map entry is not a file name ({str(fname)[:60]!r})")
+    parts = fname.replace("\\", "/").split("/")
+    if os.path.isabs(fname) or ".." in parts or fname.startswith("~"):
+        raise CheckpointError(f"{where}: weight_map names {fname[:80]!r}, outside the model directory "
+                              f"(shard files must be inside it): refused")
+    return fname
+
+
 class _File:
+    """One safetensors file, its header checked entry by entry before any tensor is read: dtype known,
+    shape a list of non-negative ints, data_offsets two ints inside the data section whose length
+    matches the shape, no two tensors sharing bytes."""
+
     def __init__(self, path: str):
         self.path = path
+        self.mm = None
         try:
             self._f = open(path, "rb")
         except OSError as e:
             raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
+        try:
+            self._parse(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self, path: str) -> None:
         size = os.fstat(self._f.fileno()).st_size
         if size < 8:
             raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file")
         (hlen,) = struct.unpack("<Q", self._f.read(8))
-        if hlen > min(size - 8, 100 << 20):
-            raise CheckpointError(f"{path} is truncated or not safetensors (header of {hlen} bytes)")
+        if hlen < 2 or hlen > min(size - 8, MAX_HEADER):
+            raise CheckpointError(f"{path} is truncated or not safetensors (header of {hlen} bytes "
+                                  f"in a file of {size})")
         try:
-            self.header = json.loads(self._f.read(hlen))
-            assert isinstance(self.header, dict)
-        except (ValueError, AssertionError):
-            raise CheckpointError(f"{path} has a malformed safetensors header") from None
+            self.header = json.loads(self._f.read(hlen), object_pairs_hook=_no_duplicates)
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{path} has a malformed safetensors header: "
+                                  f"{(str(e).splitlines() or ['not JSON'])[0][:100]}") from None
+        if not isinstance(self.header, dict):
+            raise CheckpointError(f"{path} has a malformed safetensors header (not a JSON object)")
         self.data_start = 8 + hlen
         self.size = size
-        self.mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
-        for name, meta in self.header.items():
+        data = size - self.data_start
+        meta = self.header.get("__metadata__")
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: __metadata__ must be an object")
+        spans = []
+        for name, m in self.header.items():
             if name == "__metadata__":
                 continue
-            try:
-                b, e = meta["data_offsets"]
-                dtype, shape = meta["dtype"], meta["shape"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {name} has a malformed header entry") from None
-            if dtype not in DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype} "
+            where = f"{path}: tensor {name[:100]}"
+            if not isinstance(m, dict) or not {"dtype", "shape", "data_offsets"} <= set(m):
+                raise CheckpointError(f"{where} has a malformed header entry (needs dtype, shape, data_offsets)")
+            dtype, shape, offs = m["dtype"], m["shape"], m["data_offsets"]
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise CheckpointError(f"{where} has unsupported dtype {str(dtype)[:20]} "
                                       f"(supported: {', '.join(DTYPES)})")
-            if self.data_start + e > size:
-                raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte "
+            if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                    or not all(_is_count(x) for x in shape)):
+                raise CheckpointError(f"{where} has shape {str(shape)[:60]}: not a list of at most "
+                                      f"{MAX_DIMS} non-negative integers")
+            if not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(x) for x in offs):
+                raise CheckpointError(f"{where} has data_offsets {str(offs)[:60]}: not a list of two "
+                                      f"non-negative integers")
+            b, e = offs
+            if b > e:
+                raise CheckpointError(f"{where} has data_offsets [{b}, {e}]: the end is before the start")
+            if e > data:
+                raise CheckpointError(f"{path} is truncated: tensor {name[:100]} ends at byte "
                                       f"{self.data_start + e} of {size}")
-            if e - b != int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]:
-                raise CheckpointError(f"{path}: tensor {name} has {e - b} bytes for shape {shape} {dtype}")
+            n = math.prod(shape) * ITEMSIZE[dtype]      # Python ints: no overflow
+            if e - b != n:
+                raise CheckpointError(f"{where} has {e - b} bytes for shape {shape} {dtype} ({n} needed)")
+            spans.append((b, e, name))
+        spans.sort()
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise CheckpointError(f"{path}: tensors {n0[:80]} and {n1[:80]} overlap (bytes "
+                                      f"{b1}..{min(e0, e1)} of the data section belong to both)")
+        self.mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def tensors(self):
+        return [n for n in self.header if n != "__metadata__"]
 
     def close(self):
         if self.mm is not None:
             self.mm.close()
+            self.mm = None
         self._f.close()
 
 
@@ -134,36 +204,60 @@ class CheckpointReader:
         self.files: dict[str, _File] = {}
         self.where: dict[str, _File] = {}
         self.nbytes_read = 0
+        try:
+            self._open_files(model_dir)
+            self._validate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_files(self, model_dir: str) -> None:
         index = os.path.join(model_dir, "model.safetensors.index.json")
+        wmap = None
         if os.path.isfile(index):
             try:
-                with open(index) as f:
-                    wmap = json.load(f)["weight_map"]
+                with open(index, "rb") as f:
+                    wmap = json.loads(f.read())["weight_map"]
                 assert isinstance(wmap, dict)
-            except (ValueError, KeyError, TypeError, AssertionError):
+            except (ValueError, KeyError, TypeError, AssertionError, RecursionError):
                 raise CheckpointError(f"{index} is malformed (needs a 'weight_map' object)") from None
-            for fname in sorted(set(wmap.values())):
-                self.files[fname] = _File(os.path.join(model_dir, fname))
+            names = sorted({inside_dir(v, index) for v in wmap.values()})
         else:
             names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
             if not names:
                 raise CheckpointError(f"no .safetensors files in {model_dir}")
-            for fname in names:
-                self.files[fname] = _File(os.path.join(model_dir, fname))
-        for f in self.files.values():
-            for name in f.header:
-                if name != "__metadata__":
-                    self.where[name] = f
-        self._validate()
+        for fname in names:
+            self.files[fname] = _File(os.path.join(model_dir, fname))
+        for fname, f in self.files.items():
+            for name in f.tensors():
+                if name in self.where:
+                    raise CheckpointError(f"tensor {name[:100]} is in both {self.where[name].path} "
+                                          f"and {f.path}")
+                self.where[name] = f
+        if wmap is not None:
+            for name, fname in wmap.items():
+                if name not in self.files[fname].header:
+                    raise CheckpointError(f"{index} puts tensor {name[:100]} in {fname}, which does not hold it")
 
     def _validate(self) -> None:
-        for name, shape in expected_tensors(self.cfg).items():
+        want = expected_tensors(self.cfg)
+        for name, shape in want.items():
             f = self.where.get(name)
             if f is None:
                 raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.dir}")
             got = tuple(f.header[name]["shape"])
             if got != shape:
                 raise CheckpointError(f"tensor {name} has shape {list(got)}, the config needs {list(shape)}")
+        extra = sorted(set(self.where) - set(want))
+        if extra:
+            c = self.cfg
+            layers = sorted({int(p[2]) for p in (n.split(".") for n in extra)
+                             if len(p) > 3 and p[:2] == ["model", "layers"] and p[2].isdigit()})
+            why = (f": config.json says num_hidden_layers={c.num_hidden_layers} but the checkpoint has "
+                   f"layer {layers[-1]}" if layers and layers[-1] >= c.num_hidden_layers else
+                   " (the config does not describe this checkpoint)")
+            raise CheckpointError(f"tensor {extra[0][:100]} in {self.where[extra[0]].path} is not part of "
+                                  f"the model{why}" + (f"; {len(extra) - 1} more" if len(extra) > 1 else ""))
 
     def dtype(self, name: str) -> str:
         return self.where[name].header[name]["dtype"]
@@ -251,6 +345,7 @@ def load_weights(src, lanes: range | None = None, progress: bool | None = None,
     with Progress("loading weights", total, enabled=progress) as bar:
         for n in names:
             a = src.tensor(n, lanes)
+            check_finite(n, a)
             if n.endswith("_norm.weight") or n == "model.norm.weight":
                 a = np.broadcast_to(a, (len(lanes), cfg.hidden_size)).copy()
             key = n.replace(".scale", ".weight")
@@ -258,7 +353,12 @@ def load_weights(src, lanes: range | None = None, progress: bool | None = None,
             w.nbytes_stored += a.nbytes
             bar.advance(_slice_bytes(src, n, lanes, cfg))
     if cfg.tie_word_embeddings:
-        w["lm_head.weight"] = src.tensor("model.tok_embeddings.weight")
+        w["lm_head.weight"] = check_finite("model.tok_embeddings.weight",
+                                           src.tensor("model.tok_embeddings.weight"))
+    else:   # the table stays on disk: a sample of its rows now, each row read later (Model.embed)
+        V = cfg.vocab_size
+        rows = np.unique(np.linspace(0, V - 1, min(V, 64)).astype(np.int64))
+        check_finite("model.tok_embeddings.weight", src.tensor("model.tok_embeddings.weight", rows=rows))
         w.nbytes_stored += w["lm_head.weight"].nbytes
     return cfg, w, src
 
@@ -278,10 +378,25 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             raise ValueError(f"token id outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        return self.reader.tensor("model.tok_embeddings.weight", rows=ids)
+        return check_finite("model.tok_embeddings.weight",
+                            self.reader.tensor("model.tok_embeddings.weight", rows=ids), ids)
 
     def close(self) -> None:
         self.reader.close()
+
+
+def check_finite(name: str, a: np.ndarray, rows=None) -> np.ndarray:
+    """`a` if every value is finite; a CheckpointError naming the tensor (and its first bad row)
+    otherwise: a NaN or inf weight makes every later logit NaN, which decodes as token 0 forever.
+    `rows`: the tensor rows `a` holds, for the message. About 10 ms per 100 MB of float32."""
+    a = np.asarray(a)
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        bad = ~np.isfinite(a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(-1, 1))
+        first = int(np.argmax(bad.any(axis=1)))
+        row = int(np.asarray(rows).reshape(-1)[first]) if rows is not None else first
+        raise CheckpointError(f"tensor {name} holds non-finite values (NaN or inf; {int(bad.sum())} of "
+                              f"{a.size}, the first in row {row}): the checkpoint is damaged")
+    return a
 
 
 def _slice_bytes(src, name: str, lanes: range, cfg: LaneformerConfig) -> int:

@@ -95,19 +95,31 @@ class LaneformerConfig:
         for name in ints:
             v = getattr(self, name)
             if not _is_int(v) or v <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+                raise ConfigError(f"{name} must be a positive integer, got {_short(v)}")
+            if v > LIMITS[name]:
+                raise ConfigError(f"{name}={v} is more than this runtime takes ({LIMITS[name]} at most)")
+        N = self.num_hidden_layers
         if not _is_int(self.broadcast_delay) or self.broadcast_delay < 1:
-            raise ConfigError(f"broadcast_delay must be an integer >= 1, got {self.broadcast_delay!r}")
+            raise ConfigError(f"broadcast_delay must be an integer >= 1, got {_short(self.broadcast_delay)}")
+        # A delay of N already makes every layer an early one (no partial arrives later): a larger one
+        # means nothing more, only deeper exchange rings. One lane sends no partials at all.
+        delay_max = N if self.num_lanes > 1 else max(N, ONE_LANE_DELAY_MAX)
+        if self.broadcast_delay > delay_max:
+            raise ConfigError(f"broadcast_delay={self.broadcast_delay} is more than num_hidden_layers={N}"
+                              + ("" if self.num_lanes > 1 else f" (and {ONE_LANE_DELAY_MAX})")
+                              + ": the delay counts layers, so it must be at most the layer count")
         if self.num_key_value_heads is not None and (not _is_int(self.num_key_value_heads)
                                                      or self.num_key_value_heads <= 0):
             raise ConfigError(f"num_key_value_heads must be a positive integer or null, "
-                              f"got {self.num_key_value_heads!r}")
+                              f"got {_short(self.num_key_value_heads)}")
         H, KV, L = self.num_attention_heads, self.kv_heads, self.num_lanes
         if self.head_dim_override is not None:
             if not _is_int(self.head_dim_override) or self.head_dim_override <= 0:
-                raise ConfigError(f"head_dim must be a positive integer, got {self.head_dim_override!r}")
+                raise ConfigError(f"head_dim must be a positive integer, got {_short(self.head_dim_override)}")
         elif self.hidden_size % H:
             raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={H}")
+        if self.head_dim > HEAD_DIM_MAX:
+            raise ConfigError(f"head_dim={self.head_dim} is more than this runtime takes ({HEAD_DIM_MAX} at most)")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         if H % L:
@@ -119,26 +131,31 @@ class LaneformerConfig:
         if self.intermediate_size % L:
             raise ConfigError(f"intermediate_size={self.intermediate_size} is not divisible by num_lanes={L}")
         if self.lm_head_type != "replicate":
-            raise ConfigError(f"lm_head_type={self.lm_head_type!r} is not supported (only 'replicate')")
-        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1):
-            raise ConfigError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
-        if not _is_int(self.sliding_window_n_layers):
-            raise ConfigError(f"sliding_window_n_layers must be an integer, got {self.sliding_window_n_layers!r}")
-        for name in ("rope_theta", "norm_eps"):
+            raise ConfigError(f"lm_head_type={_short(self.lm_head_type)} is not supported (only 'replicate')")
+        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1
+                                                or self.sliding_window > LIMITS["max_position_embeddings"]):
+            raise ConfigError(f"sliding_window must be an integer in 1..{LIMITS['max_position_embeddings']} "
+                              f"or null, got {_short(self.sliding_window)}")
+        S = self.sliding_window_n_layers
+        if not _is_int(S) or abs(S) > N:
+            raise ConfigError(f"sliding_window_n_layers must be an integer in -{N}..{N} "
+                              f"(num_hidden_layers={N}), got {_short(S)}")
+        for name, lo, hi in (("rope_theta", 1.0, ROPE_THETA_MAX), ("norm_eps", 0.0, 1.0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"{name} must be a positive number, got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or not (lo < v <= hi or (name == "rope_theta" and v == lo))):
+                raise ConfigError(f"{name} must be a finite number in ({lo:g}, {hi:g}], got {_short(v)}")
         for name in ("use_comm", "use_early_comm", "early_layers_to_future", "replicated_rmsn_scale",
                      "tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be true or false, got {_short(getattr(self, name))}")
         for name in ("eos_token_id", "bos_token_id"):
             try:
                 ids = _int_tuple(getattr(self, name))
             except (TypeError, ValueError):
                 raise ConfigError(f"{name} must be an integer or a list of integers") from None
             if any(i < 0 or i >= self.vocab_size for i in ids):
-                raise ConfigError(f"{name}={getattr(self, name)!r} is outside the vocabulary")
+                raise ConfigError(f"{name}={_short(getattr(self, name))} is outside the vocabulary")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
         return self
@@ -150,12 +167,13 @@ class LaneformerConfig:
             raise ConfigError("config.json must hold a JSON object")
         mt = d.get("model_type", "laneformer_tp")
         if mt not in ("laneformer_tp", "laneformer"):
-            raise ConfigError(f"model_type {mt!r} is not a Laneformer ('laneformer_tp')")
+            raise ConfigError(f"model_type {_short(mt)} is not a Laneformer ('laneformer_tp')")
         known = {f.name for f in fields(cls)} - {"extra"}
         kw = {k: v for k, v in d.items() if k in known}
-        if d.get("head_dim") is not None and d["head_dim"] != (d.get("head_dim_override") or (
-                d.get("hidden_size", 4096) // max(1, d.get("num_attention_heads", 32)))):
-            raise ConfigError(f"head_dim={d['head_dim']} disagrees with hidden_size/num_attention_heads "
+        D, H = d.get("hidden_size", 4096), d.get("num_attention_heads", 32)
+        derived = D // H if _is_int(D) and _is_int(H) and H > 0 else None
+        if d.get("head_dim") is not None and d["head_dim"] != (d.get("head_dim_override") or derived):
+            raise ConfigError(f"head_dim={_short(d['head_dim'])} disagrees with hidden_size/num_attention_heads "
                               f"(a different head_dim is given as head_dim_override)")
         try:
             cfg = cls(**kw, extra={k: v for k, v in d.items() if k not in known})
@@ -166,6 +184,50 @@ class LaneformerConfig:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         return {k: v for k, v in d.items() if v is not None or k == "num_key_value_heads"}
+
+
+# Bounds on what a config may ask for: far above every published model, low enough that no value
+# makes an allocation or a loop unbounded (issue 32: a context of 10^12 was taken as it came).
+LIMITS = {"hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
+          "intermediate_size": 1 << 20, "vocab_size": 1 << 22, "num_lanes": 1024,
+          "max_position_embeddings": 1 << 24}
+HEAD_DIM_MAX = 1024
+ROPE_THETA_MAX = 1e12
+ONE_LANE_DELAY_MAX = 16
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def kv_cache_bytes(cfg: LaneformerConfig, seq: int, lanes: int | None = None, itemsize: int = 4) -> int:
+    """Bytes of K and V for one sequence of `seq` positions over `lanes` lanes (None: all)."""
+    lanes = cfg.num_lanes if lanes is None else lanes
+    return 2 * cfg.num_hidden_layers * cfg.kv_heads_per_lane * lanes * cfg.head_dim * int(seq) * itemsize
+
+
+def machine_memory() -> int | None:
+    """Physical memory of this machine in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_context_fits(cfg: LaneformerConfig, max_seq: int | None = None, itemsize: int = 4,
+                       memory: int | None = None) -> int:
+    """The context limit (max_seq, or the model's) if one sequence's KV cache at that length fits in
+    this machine's memory; a ConfigError saying what it needs, what there is and what --max-seq fits
+    otherwise."""
+    seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    memory = machine_memory() if memory is None else memory
+    need = kv_cache_bytes(cfg, seq, itemsize=itemsize)
+    if memory and need > memory:
+        fit = max(1, memory // 2 // max(1, kv_cache_bytes(cfg, 1, itemsize=itemsize)))
+        raise ConfigError(f"a context of {seq} tokens needs {need / 2**30:.1f} GiB of KV cache, more than this "
+                          f"machine's {memory / 2**30:.1f} GiB: pass a smaller --max-seq (e.g. {fit})")
+    return seq
 
 
 def load_config(model_dir: str) -> LaneformerConfig:
@@ -209,13 +271,14 @@ def rope_type(scaling: dict) -> str:
 
 def _check_rope_scaling(sc, hd: int) -> None:
     if not isinstance(sc, dict):
-        raise ConfigError(f"rope_scaling must be an object or null, got {sc!r}")
+        raise ConfigError(f"rope_scaling must be an object or null, got {_short(sc)}")
     kind = rope_type(sc)
     if kind == "llama3":
         for k in LLAMA3_KEYS:
             v = sc.get(k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"rope_scaling (llama3) needs a positive {k}, got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0
+                    or v > LIMITS["max_position_embeddings"]):
+                raise ConfigError(f"rope_scaling (llama3) needs a positive finite {k}, got {_short(v)}")
         if not sc["high_freq_factor"] > sc["low_freq_factor"]:
             raise ConfigError("rope_scaling (llama3) needs high_freq_factor > low_freq_factor")
     elif kind == "factors":
@@ -223,10 +286,11 @@ def _check_rope_scaling(sc, hd: int) -> None:
         # by one factor per pair.
         f = sc.get("factors")
         if (not isinstance(f, (list, tuple)) or len(f) != hd // 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f)):
-            raise ConfigError(f"rope_scaling (factors) needs {hd // 2} positive factors")
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                           and x > 0 for x in f)):
+            raise ConfigError(f"rope_scaling (factors) needs {hd // 2} positive finite factors")
     else:
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+        raise ConfigError(f"rope_scaling type {_short(kind)} is not supported (supported: llama3)")
 
 
 def rope_inv_freq(cfg: LaneformerConfig):

@@ -68,11 +68,13 @@ def _open_dir(p: str, shown) -> ModelSource:
     try:
         with open(cpath, "rb") as f:
             d = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{cpath} is not valid JSON: {str(e).splitlines()[0]}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{cpath} is not valid JSON: {(str(e).splitlines() or ['too deeply nested'])[0]}") from None
     if not isinstance(d, dict):
         raise FormatError(f"{cpath} must hold a JSON object")
     mt = d.get("model_type", "laneformer_tp")
+    if not isinstance(mt, str):
+        raise FormatError(f"{cpath}: model_type must be a string (supported: {SUPPORTED})")
     if mt in LANEFORMER_TYPES:
         try:
             return CheckpointReader(p)

@@ -93,7 +93,13 @@ class GGUFSource(ModelSource):
             if t.data_offset + t.n_bytes > size:
                 raise FormatError(f"{path} is truncated: tensor {t.name} ends at byte "
                                   f"{t.data_offset + t.n_bytes} of {size}")
+            if t.name in tensors:
+                raise FormatError(f"{path}: tensor {t.name[:100]} appears twice")
             tensors[t.name] = t
+        spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in r.tensors)
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise FormatError(f"{path}: tensors {n0[:80]} and {n1[:80]} overlap (bad tensor offsets)")
         cfg = gguf_config(fields, tensors, path)
         super().__init__(path, cfg, name=fields.get("general.name") or os.path.basename(path),
                          model_dir=os.path.dirname(os.path.abspath(path)))
@@ -155,26 +161,43 @@ def _gguf_name(name: str) -> str:
     return f"blk.{i}." + next(g for g, n in LAYER_NAMES.items() if n == rest)
 
 
+def _typed(f: dict, key: str, kind, path: str):
+    """Metadata value `key` if it has the type the key holds (int: an integer; float: a number; str);
+    a FormatError naming the key otherwise."""
+    v = f[key]
+    ok = (isinstance(v, str) if kind is str else
+          isinstance(v, (int, np.integer)) and not isinstance(v, bool) if kind is int else
+          isinstance(v, (int, float, np.number)) and not isinstance(v, bool))
+    if not ok:
+        want = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise FormatError(f"{path}: GGUF metadata {key} must be {want}, got {type(v).__name__} "
+                          f"{str(v)[:40]!r}")
+    return int(v) if kind is int else float(v) if kind is float else v
+
+
 def gguf_config(f: dict, tensors: dict, path: str) -> LaneformerConfig:
     """llama.* metadata as the equivalent one-lane Laneformer (spec, "Llama-family checkpoints")."""
     def need(key):
         if key not in f:
             raise FormatError(f"{path}: GGUF metadata lacks {key}")
-        return f[key]
+        return _typed(f, key, int, path)
 
-    if f.get("llama.expert_count", 0):
+    def get(key, default, kind=int):
+        return _typed(f, key, kind, path) if key in f else default
+
+    if get("llama.expert_count", 0):
         raise FormatError(f"{path}: a mixture-of-experts llama (llama.expert_count = "
                           f"{f['llama.expert_count']}) is not supported")
     D, H = need("llama.embedding_length"), need("llama.attention.head_count")
     hd_default = D // H if isinstance(D, int) and isinstance(H, int) and H and D % H == 0 else None
-    hd = f.get("llama.attention.key_length", hd_default)
-    if f.get("llama.attention.value_length", hd) != hd:
+    hd = get("llama.attention.key_length", hd_default)
+    if get("llama.attention.value_length", hd) != hd:
         raise FormatError(f"{path}: key_length {hd} != value_length {f['llama.attention.value_length']} "
                           f"is not supported")
-    rot = f.get("llama.rope.dimension_count", hd)
+    rot = get("llama.rope.dimension_count", hd)
     if rot != hd:
         raise FormatError(f"{path}: RoPE over {rot} of {hd} head dimensions is not supported")
-    stype = f.get("llama.rope.scaling.type", "none")
+    stype = get("llama.rope.scaling.type", "none", str)
     if stype not in ("none", None):
         raise FormatError(f"{path}: rope scaling type {stype!r} is not supported "
                           f"(supported: llama3, given as the {ROPE_FREQS} tensor)")
@@ -185,18 +208,23 @@ def gguf_config(f: dict, tensors: dict, path: str) -> LaneformerConfig:
             raise FormatError(f"{path}: {ROPE_FREQS} must be F32, got {t.tensor_type.name}")
         scaling = {"rope_type": "factors", "factors": [float(x) for x in np.asarray(t.data).reshape(-1)]}
     tokens = f.get("tokenizer.ggml.tokens")
-    V = len(tokens) if isinstance(tokens, list) else f.get("llama.vocab_size")
+    if tokens is not None and not (isinstance(tokens, list) and all(isinstance(x, str) for x in tokens)):
+        raise FormatError(f"{path}: GGUF metadata tokenizer.ggml.tokens is not a list of strings")
+    V = len(tokens) if tokens is not None else get("llama.vocab_size", None)
+    n_vocab = get("llama.vocab_size", None)
+    if tokens is not None and n_vocab is not None and n_vocab != len(tokens):
+        raise FormatError(f"{path}: llama.vocab_size is {n_vocab} but the tokenizer lists {len(tokens)} tokens")
     if V is None:
         raise FormatError(f"{path}: GGUF metadata has neither tokenizer.ggml.tokens nor llama.vocab_size")
     kw = dict(
         hidden_size=D, num_hidden_layers=need("llama.block_count"), num_attention_heads=H,
-        num_key_value_heads=f.get("llama.attention.head_count_kv", H),
+        num_key_value_heads=get("llama.attention.head_count_kv", H),
         intermediate_size=need("llama.feed_forward_length"), vocab_size=V, num_lanes=1,
-        rope_theta=float(f.get("llama.rope.freq_base", 10000.0)),
-        norm_eps=float(f.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=f.get("llama.context_length", 2048),
+        rope_theta=float(get("llama.rope.freq_base", 10000.0, float)),
+        norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5, float)),
+        max_position_embeddings=get("llama.context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=get("tokenizer.ggml.bos_token_id", None), eos_token_id=get("tokenizer.ggml.eos_token_id", None),
         attention_bias="blk.0.attn_q.bias" in tensors, rope_scaling=scaling,
     )
     if hd != hd_default:

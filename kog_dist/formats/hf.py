@@ -12,7 +12,7 @@ import os
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from ..checkpoint import DTYPES, CheckpointError, _File, expected_tensors, is_lane_first
+from ..checkpoint import DTYPES, CheckpointError, _File, expected_tensors, inside_dir, is_lane_first
 from ..config import ConfigError, LaneformerConfig
 from .base import FormatError, ModelSource, select
 
@@ -157,9 +157,12 @@ class HFSource(ModelSource):
                 with open(index) as f:
                     wmap = json.load(f)["weight_map"]
                 assert isinstance(wmap, dict) and all(isinstance(v, str) for v in wmap.values())
-            except (ValueError, KeyError, TypeError, AssertionError):
+            except (ValueError, KeyError, TypeError, AssertionError, RecursionError):
                 raise FormatError(f"{index} is malformed (needs a 'weight_map' object)") from None
-            files = sorted(set(wmap.values()))
+            try:   # a shard named outside the directory is refused before anything there is touched
+                files = sorted({inside_dir(v, index) for v in wmap.values()})
+            except CheckpointError as e:
+                raise FormatError(str(e)) from None
         else:
             files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
             if not files:
@@ -173,6 +176,8 @@ class HFSource(ModelSource):
                 h = safe_open(fpath, framework="numpy")
                 keys = list(h.keys())
                 for k in keys:
+                    if k in self._where:
+                        raise FormatError(f"tensor {k[:100]} is in both {self._where[k]} and {fname}")
                     sl = h.get_slice(k)
                     self._hf_meta[k] = (sl.get_dtype(), tuple(sl.get_shape()))
                     self._where[k] = fname
