@@ -156,7 +156,7 @@ def _name(a) -> str | None:
 async def _run(a, proc, control) -> int:
     gw = Gateway(control, model_name=_name(a), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
                  timeout=a.timeout, server_key=a.server_key, client_key=a.client_key, log=_say)
-    config = uvicorn.Config(gw.app, host=a.host, port=a.port, log_level="warning", loop="asyncio",
+    config = uvicorn.Config(gw.app, host=a.host, port=a.port, log_level="warning", loop="asyncio", http="auto",
                             lifespan="on", timeout_graceful_shutdown=5, access_log=False)
     server = _Server(config)
     loop = asyncio.get_running_loop()

@@ -3,7 +3,7 @@
 #
 #   launch/mpirun-serve.sh -n N --model DIR [--port P | --control tcp://HOST:PORT]
 #                          [--endpoint-file FILE] [--backend cpu|cuda|auto] [--bind cores|numa|none]
-#                          [--max-seq N] [-- more kog-worker arguments]
+#                          [--max-seq N] [--http-port P [--http-host H]] [-- more kog-worker arguments]
 #
 # - The launcher is the one on PATH (`kog launch --launcher mpi` tells MPICH from Open MPI by its
 #   --version): MPICH gets `-n N -bind-to none`; Open MPI gets `-np N --bind-to none`, plus
@@ -14,10 +14,12 @@
 # - Rank 0 serves the control plane on --control (default tcp://127.0.0.1:PORT, PORT from --port,
 #   KOG_PORT, or a free one). Once it listens the endpoint is printed and written to
 #   --endpoint-file (default: none); `kog client --connect $(cat FILE) generate ...` talks to it.
+# - --http-port P also runs the OpenAI-compatible gateway, `kog serve --connect CONTROL --port P`
+#   (--http-host H, default 127.0.0.1; a non-loopback H needs KOG_API_KEY), stopped with the ranks.
 # - Ctrl-C / SIGTERM reach every rank through the launcher; the exit code is the launcher's.
 set -euo pipefail
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 
 PY=${KOG_PYTHON:-python3}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -26,7 +28,7 @@ if [ -f "$HERE/cli.py" ] && [ -d "$HERE/../kog_dist" ]; then
   export PYTHONPATH="$(cd "$HERE/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-NP="" MODEL="" PORT=${KOG_PORT:-} CONTROL="" EPFILE="" BIND=cores
+NP="" MODEL="" PORT=${KOG_PORT:-} CONTROL="" EPFILE="" BIND=cores HTTP_PORT="" HTTP_HOST=127.0.0.1
 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -36,6 +38,8 @@ while [ $# -gt 0 ]; do
     --control) CONTROL=$2; shift 2;;
     --endpoint-file) EPFILE=$2; shift 2;;
     --bind) BIND=$2; shift 2;;
+    --http-port) HTTP_PORT=$2; shift 2;;
+    --http-host) HTTP_HOST=$2; shift 2;;
     -h|--help) usage; exit 0;;
     --) shift; EXTRA+=("$@"); break;;
     *) EXTRA+=("$1"); shift;;
@@ -61,5 +65,20 @@ fi
 LARGS=(--launcher "${KOG_LAUNCHER:-mpi}" --np "$NP")
 [ -n "$EPFILE" ] && LARGS+=(--endpoint-file "$EPFILE")
 echo "mpirun-serve.sh: $NP ranks, model $MODEL, control $CONTROL, bind $BIND" >&2
-exec "$PY" -m launch.cli "${LARGS[@]}" -- "${WORKER[@]}" --model "$MODEL" --control "$CONTROL" \
-  --bind "$BIND" "${EXTRA[@]}"
+if [ -z "$HTTP_PORT" ]; then
+  exec "$PY" -m launch.cli "${LARGS[@]}" -- "${WORKER[@]}" --model "$MODEL" --control "$CONTROL" \
+    --bind "$BIND" "${EXTRA[@]}"
+fi
+"$PY" -m launch.cli "${LARGS[@]}" -- "${WORKER[@]}" --model "$MODEL" --control "$CONTROL" \
+  --bind "$BIND" "${EXTRA[@]}" &
+ranks=$!
+"$PY" -m kog_cli serve --connect "$CONTROL" --host "$HTTP_HOST" --port "$HTTP_PORT" \
+  --served-model-name "$(basename "${MODEL%.gguf}")" &
+gateway=$!
+trap 'kill -TERM $gateway $ranks 2>/dev/null || true' TERM INT
+# the ranks decide the exit code; the gateway goes when they go
+while kill -0 "$ranks" 2>/dev/null; do wait "$ranks" || true; done
+rc=0; wait "$ranks" || rc=$?
+kill -TERM "$gateway" 2>/dev/null || true
+wait "$gateway" 2>/dev/null || true
+exit "$rc"

@@ -183,3 +183,26 @@ def test_api_key_and_non_loopback_host(model, coord):
         assert r.status_code == 200
         assert httpx.get(s.url + "/metrics").status_code == 401
         assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_protocol_messages_field():
+    from tokenizers import Tokenizer, models
+
+    from kog_dist import protocol as P
+    from kog_dist.scheduler import _encode_chat
+    from kog_dist.tokenizer import HFTokenizer
+    ok = P.parse_request({"v": 1, "op": "generate", "messages": [{"role": "user", "content": "hi"}]})
+    assert ok["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in ok
+    for bad in ([], "hi", [{"role": "user"}], [{"role": "user", "content": 5}], [{"role": "", "content": "x"}],
+                [{"role": "user", "content": "x", "extra": 1}]):
+        with pytest.raises(P.ProtocolError) as e:
+            P.parse_request({"v": 1, "op": "generate", "messages": bad})
+        assert e.value.code == "bad_request"
+    with pytest.raises(P.ProtocolError, match="not both"):
+        P.parse_request({"v": 1, "op": "generate", "messages": [{"role": "user", "content": "x"}], "prompt": "y"})
+    # a template that fails to render is the client's error (the coordinator answers bad_request)
+    vocab = {"<s>": 0, "a": 1, "[UNK]": 2}
+    tok = HFTokenizer(Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")), kind="hf", vocab_size=3, bos_id=0,
+                      eos_ids=[], add_bos=False, chat_template="{{ raise_exception('only user turns') }}")
+    with pytest.raises(ValueError, match="only user turns"):
+        _encode_chat(tok, [{"role": "system", "content": "a"}])

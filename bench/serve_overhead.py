@@ -1,0 +1,175 @@
+"""What the HTTP gateway adds: the same streamed greedy request through `kog client` (the sync ZMQ
+client, straight to the coordinator) and through `kog serve`'s /v1/completions, alternated, side by side.
+
+    python bench/serve_overhead.py --model FILE.gguf [-n 64] [--reps 10] [--np 1] [--backend cpu]
+    python bench/serve_overhead.py --connect tcp://127.0.0.1:5555 --url http://127.0.0.1:8000
+
+Both are measured in this process, from sending the request: TTFT to the first token's event, and
+the time per token from the first event to the last over (tokens - 1). Each repetition changes the
+prompt's first characters, so every request prefills the same number of tokens (no prefix reuse).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kog_dist.client import Client  # noqa: E402
+
+PROMPT = "The river flows through the valley, and the people who live along its banks"
+
+
+def direct(c, prompt, n):
+    t0 = time.perf_counter()
+    t_first = t_last = None
+    for ch in c.stream(prompt=prompt, max_new_tokens=n, temperature=0.0):
+        if ch["token_ids"]:
+            t_last = time.perf_counter()
+            t_first = t_first or t_last
+    return t0, t_first, t_last
+
+
+class RawHTTP:
+    """A keep-alive HTTP/1.1 connection read by hand: the client's own parsing (httpx costs a few
+    hundred microseconds a request) stays out of what is measured as the gateway's."""
+
+    def __init__(self, url):
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.host, self.buf = f"{host}:{port}", b""
+
+    def _more(self):
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the gateway closed the connection")
+        self.buf += data
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._more()
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def _read(self, n) -> bytes:
+        while len(self.buf) < n:
+            self._more()
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def post_stream(self, path, body):
+        """Yields the body's chunks of a chunked response as they arrive."""
+        data = json.dumps(body).encode()
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        status = self._line()
+        if b" 200 " not in status:
+            raise RuntimeError(status.decode())
+        while self._line():
+            pass                                           # headers (chunked transfer encoding)
+        while True:
+            size = int(self._line(), 16)
+            chunk = self._read(size + 2)[:-2]
+            if size == 0:
+                return
+            yield chunk
+
+
+def gateway(http, url, prompt, n):
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    t_first = t_last = None
+    for chunk in http.post_stream("/v1/completions", body):
+        for ev in chunk.split(b"\n\n"):
+            if ev.startswith(b"data: {") and b'"finish_reason":null' in ev:
+                t_last = time.perf_counter()
+                t_first = t_first or t_last
+    return t0, t_first, t_last
+
+
+def start_serve(a):
+    cmd = [sys.executable, "-m", "kog_cli", "serve", "--port", "0", "--model", a.model, "--np", str(a.np),
+           "--backend", a.backend]
+    if a.max_seq:
+        cmd += ["--max-seq", str(a.max_seq)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    url = control = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (url is None or control is None):
+        line = p.stderr.readline()
+        if not line:
+            break
+        m = re.search(r"HTTP on (http://\S+) .*coordinator (tcp://\S+)", line)
+        if m:
+            url, control = m.group(1), m.group(2)
+    if url is None:
+        p.kill()
+        raise SystemExit("kog serve did not start")
+    line = p.stdout.readline()
+    if "ready at" not in line:
+        p.kill()
+        raise SystemExit(f"kog serve did not become ready: {line.strip()}")
+    return p, url, control
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--np", type=int, default=1)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--max-seq", type=int, default=None)
+    ap.add_argument("--connect", help="a running coordinator (with --url: its gateway)")
+    ap.add_argument("--url")
+    ap.add_argument("-n", type=int, default=64, help="tokens per request")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args(argv)
+    proc = None
+    if a.connect:
+        if not a.url:
+            raise SystemExit("--connect needs --url (the gateway in front of it)")
+        url, control = a.url.rstrip("/"), a.connect
+    else:
+        if not a.model:
+            raise SystemExit("give --model (or --connect and --url)")
+        proc, url, control = start_serve(a)
+    rows = {"kog client (ZMQ)": [], "kog serve (HTTP)": []}
+    try:
+        # both keep their connection between requests (as a gateway and a client library do)
+        http = RawHTTP(url)
+        with Client(control, timeout=120) as zc:
+            direct(zc, "warm " + PROMPT, 4)
+            gateway(http, url, "warm " + PROMPT, 4)
+            for i in range(a.reps):                  # alternate the order: neither path always goes first
+                for name in (list(rows) if i % 2 == 0 else list(rows)[::-1]):
+                    is_direct = name.startswith("kog client")
+                    prompt = f"{i:03d}{'d' if is_direct else 'g'} {PROMPT}"
+                    t0, tf, tl = direct(zc, prompt, a.n) if is_direct else gateway(http, url, prompt, a.n)
+                    rows[name].append(((tf - t0) * 1000, (tl - tf) * 1000 / max(1, a.n - 1)))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print(f"{a.reps} requests each, {a.n} tokens, greedy, streamed; medians (ms)")
+    print(f"{'path':<20} {'TTFT':>9} {'per token':>10}")
+    med = {}
+    for name, v in rows.items():
+        med[name] = (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
+        print(f"{name:<20} {med[name][0]:>9.3f} {med[name][1]:>10.4f}")
+    (d_ttft, d_tok), (g_ttft, g_tok) = med.values()
+    print(f"{'gateway adds':<20} {g_ttft - d_ttft:>9.3f} {g_tok - d_tok:>10.4f}   "
+          f"({100 * (g_tok - d_tok) / d_tok:+.2f}% per token)")
+
+
+if __name__ == "__main__":
+    main()
