@@ -325,6 +325,9 @@ def _dt_name(dtype: str) -> str:
 
 
 def table(r: dict) -> str:
+    if r.get("backend_rows") == "cpu":
+        from .bench_cpu import table as cpu_table
+        return cpu_table(r)
     mk = r["monokernel"]
     dt = _dt_name(r["dtype"])
     ours = "cpu (numpy)" if r.get("backend_rows") == "cpu" else "monokernel"

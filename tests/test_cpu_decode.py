@@ -4,6 +4,9 @@ path: GQA, q/k/v biases, sliding windows, llama3 rope scaling, a head_dim overri
 lanes (the combine rule with its delays and switches), through the CPU backend's sessions, and on
 the real default model when the cache has it."""
 import dataclasses
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -169,3 +172,30 @@ def test_real_default_model_greedy_ids_equal():
         assert len(set(ids)) > 4 and "Paris" in tok.decode(ids)
     finally:
         m.close()
+
+
+def test_bench_cpu_on_a_gguf_file(tmp_path):
+    """`kog bench --backend cpu --model FILE.gguf`: loads the file itself (a path, as open_model takes),
+    times the load, and decodes the same greedy ids under every BLAS thread setting it measures; the
+    llama.cpp row is there, measured or saying why not."""
+    import gguf
+    from hf_reference import random_hf_tensors, tiny_hf_config, write_gguf
+    c = tiny_hf_config("llama", tie_word_embeddings=True)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, c, random_hf_tensors(c), qtype=lambda n: gguf.GGMLQuantizationType.Q8_0)
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "bench", "--backend", "cpu", "--model", path, "--json",
+                        "--reps", "1", "--pp", "8", "--prompt", "4", "--gen", "6", "--baselines", "none"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    mk = rep["monokernel"]
+    assert rep["model"] == path and 0 < mk["load_s"] < 30
+    rows = mk["tg_threads"]
+    assert rows and all(x["gen"] == 6 for x in rows)
+    assert len({tuple(x["ids_head"]) for x in rows}) == 1, rows      # threads change speed, not ids
+    assert mk["tg"]["threads"] == mk["default_threads"]
+    cpp = [b for b in rep["baselines"] if b["mode"].startswith("llama.cpp")]
+    assert cpp and all("tokens_per_s" in b or "not importable" in b["error"] for b in cpp), cpp
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "bench", "--backend", "cpu", "--model",
+                        str(tmp_path / "none.gguf")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "none.gguf" in r.stderr, r.stderr

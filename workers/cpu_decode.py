@@ -14,6 +14,7 @@ with ranks running the engine's.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import deque
 
@@ -22,6 +23,41 @@ import numpy as np
 from kog_dist.config import rope_inv_freq
 
 _F32 = np.float32
+
+
+def _find_openblas():
+    """(set, get) of the OpenBLAS thread count numpy runs on, or None (another BLAS, not Linux): the
+    decoder can then give the LM head more threads than the small per-layer GEMVs."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ".so" in ln}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for pre, suf in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"), ("openblas", "")):
+            setter = getattr(lib, f"{pre}_set_num_threads{suf}", None)
+            getter = getattr(lib, f"{pre}_get_num_threads{suf}", None)
+            if setter is not None and getter is not None:
+                setter.argtypes, setter.restype, getter.restype = [ctypes.c_int], None, ctypes.c_int
+                return setter, getter
+    return None
+
+
+_BLAS = _find_openblas()
+
+
+def blas_threads() -> int | None:
+    """The BLAS thread count now (None: not known)."""
+    return int(_BLAS[1]()) if _BLAS else None
+
+
+def set_blas_threads(n: int) -> None:
+    if _BLAS and n >= 1:
+        _BLAS[0](int(n))
 
 
 class FusedWeights:
@@ -69,8 +105,14 @@ class FastDecoder:
     """`step(engine, token_id) -> logits [V]`: what `engine.step(token_id)` returns (within float32
     rounding of a different summation order), advancing the engine's cache and position the same way."""
 
-    def __init__(self, cfg, fused: FusedWeights, embed):
+    def __init__(self, cfg, fused: FusedWeights, embed, layer_threads: int | None = None,
+                 head_threads: int | None = None):
+        """layer_threads / head_threads: BLAS threads for the per-layer GEMVs and for the LM head
+        (None: whatever the process has, e.g. OPENBLAS_NUM_THREADS)."""
         nl = fused.layers[0]["qkv"].shape[0]          # the local lanes
+        self.base_threads = blas_threads()             # restored after each step (prefill runs on it)
+        self.layer_threads = layer_threads or self.base_threads
+        self.head_threads = head_threads or self.base_threads
         self.cfg, self.fw, self.embed, self.nl = cfg, fused, embed, nl
         hd, hl, kvl = cfg.head_dim, cfg.heads_per_lane, cfg.kv_heads_per_lane
         self.hd, self.hl, self.kvl, self.g = hd, hl, kvl, hl // kvl
@@ -97,9 +139,21 @@ class FastDecoder:
             raise ValueError(f"context of {pos + 1} tokens exceeds the limit of {eng.max_seq}")
         for c in eng.caches:
             c.ensure(pos + 1)
-        if self.cfg.num_lanes == 1:
-            return self._step_one(eng, token_id, pos)
-        return self._step_lanes(eng, token_id, pos)
+        own = self.layer_threads != self.base_threads or self.head_threads != self.base_threads
+        if own:
+            set_blas_threads(self.layer_threads)
+        try:
+            if self.cfg.num_lanes == 1:
+                return self._step_one(eng, token_id, pos)
+            return self._step_lanes(eng, token_id, pos)
+        finally:
+            if own:
+                set_blas_threads(self.base_threads)
+
+    def _head(self, y: np.ndarray) -> np.ndarray:
+        if self.head_threads != self.layer_threads:
+            set_blas_threads(self.head_threads)
+        return np.matmul(self.fw.head, y)
 
     def _step_one(self, eng, token_id: int, pos: int) -> np.ndarray:
         """One lane in all (a Llama-family model): the combine rule is the plain residual (one lane's
@@ -151,7 +205,7 @@ class FastDecoder:
         eng.pos = S
         n = h * (_F32(1.0) / np.sqrt(np.dot(h, h) / _F32(D) + eps))
         n *= fw.norm[0]
-        return np.matmul(fw.head, n)
+        return self._head(n)
 
     def _step_lanes(self, eng, token_id: int, pos: int) -> np.ndarray:
         cfg, fw, nl = self.cfg, self.fw, self.nl
@@ -201,7 +255,7 @@ class FastDecoder:
         eng.pos = pos + 1
         y_local = self._rms(h, fw.norm).sum(axis=0, keepdims=True)            # [1, D]
         y = ex.allreduce("final", y_local) / _F32(cfg.num_lanes)
-        return np.matmul(fw.head, y[0])
+        return self._head(y[0])
 
     def _combine(self, ex, kind: str, i: int, part: np.ndarray, pending: dict) -> np.ndarray:
         """engine._combine on part [nl, D] (a buffer reused by the next GEMV: what is kept is copied)."""
