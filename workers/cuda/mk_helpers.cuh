@@ -203,7 +203,9 @@ __device__ __forceinline__ long long wbytes(long long n) { return QW ? n * QBITS
 __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long long n, long long limit) {
   if (QW) {
     prefetch_l2(reinterpret_cast<const unsigned char*>(p.w) + e * QBITS / 8, wbytes(n), limit);
-    prefetch_l2(reinterpret_cast<const unsigned char*>(p.ws) + e / 32 * QSB, n / 32 * QSB, limit / 8);
+    // the bulk prefetch wants a 16-byte aligned start: from the line's 16 bytes that hold block e / 32
+    const long long s0 = e / 32 * QSB, a0 = s0 & ~15ll;
+    prefetch_l2(reinterpret_cast<const unsigned char*>(p.ws) + a0, (e + n) / 32 * QSB - a0, limit / 8);
   } else {
     prefetch_l2(p.w + e, wbytes(n), limit);
   }
