@@ -50,7 +50,9 @@ def main(argv=None) -> int:
         rc = run(a)
     except KeyboardInterrupt:
         _leave(130)
-    except Exception as e:  # one line per rank, never a traceback (KOG_DEBUG=1 shows it)
+    except SaidOnRank0 as e:   # rank 0 prints the job's error; the others leave with its exit status
+        _leave(e.rc)
+    except Exception as e:  # one line, never a traceback (KOG_DEBUG=1 shows it)
         if os.environ.get("KOG_DEBUG"):
             raise
         rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "?"
@@ -88,9 +90,10 @@ def run(a) -> int:
     rank, size = info.rank, info.size
     _unlink_mpi_segments(world, info.local_rank)
     model = _from_rank0(world, lambda: resolve_model(a.model))   # a built-in model is fetched once, by rank 0
-    src = open_model(model, progress=None if rank == 0 else False)
+    # rank 0 opens (and so validates) the model first: a bad file is said once, by rank 0
+    src = _rank0_first(world, lambda: open_model(model, progress=None if rank == 0 else False))
     cfg = src.cfg
-    check_rank_count(cfg, size)                      # refuses N the model cannot split into, before any weight
+    _all_or_none(world, lambda: check_rank_count(cfg, size))   # refuses N the model cannot split into, once
     lanes = cfg.lanes_of_rank(rank, size)
     if not a.oneshot:   # and so does an endpoint rank 0 may not bind: on every rank (same arguments, same
         # node), so that every rank leaves with the error and none is left waiting in the next collective
@@ -130,11 +133,10 @@ def run(a) -> int:
             signal.signal(sig, signal.SIG_IGN)
     hb = None
     try:
-        backend, cfg = make_backend(kind, src, lanes=lanes, max_seq=a.max_seq,
-                                    exchange=KcclExchange(comm) if size > 1 else None,
-                                    agree=make_agree(comm), num_slots=max(1, a.slots),
-                                    progress=None if rank == 0 else False, comm=gcomm or comm,
-                                    prefill_chunk=max_floats // cfg.hidden_size)
+        backend, cfg = _all_or_none(world, lambda: make_backend(
+            kind, src, lanes=lanes, max_seq=a.max_seq, exchange=KcclExchange(comm) if size > 1 else None,
+            agree=make_agree(comm), num_slots=max(1, a.slots), progress=None if rank == 0 else False,
+            comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size))
         if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
             from .heartbeat import Heartbeat
             hb = Heartbeat.start(world, log=log)
@@ -153,20 +155,80 @@ def run(a) -> int:
         comm.close()
 
 
+class SaidOnRank0(Exception):
+    """This rank's job failed and rank 0 says why: leave with `rc`, printing nothing."""
+
+    def __init__(self, rc: int):
+        super().__init__("")
+        self.rc = rc
+
+
+def _one_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _rc_of(e: BaseException) -> int:
+    return 2 if isinstance(e, ValueError) else 1
+
+
 def _from_rank0(world, make) -> str:
-    """Rank 0's `make()` (a string) on every rank; if it fails there, every rank raises its message, so
-    none is left waiting for rank 0 in a later collective."""
+    """Rank 0's `make()` (a string) on every rank; if it fails there, rank 0 says so once and every
+    rank leaves, so none is left waiting for rank 0 in a later collective."""
+    return _rank0_first(world, make, value=True)
+
+
+def _rank0_first(world, make, value: bool = False):
+    """`make()` on rank 0, then (if it worked) on the others; `value`: the others take rank 0's
+    string instead of calling make. A failure on rank 0 is said there (once) and every rank leaves."""
     from kccl.mpi_plain import bcast_str
-    text = ""
+    if world.Get_size() == 1:
+        return make()
+    text, got = "", None
     if world.Get_rank() == 0:
         try:
-            text = "ok " + make()
-        except Exception as e:  # noqa: BLE001 (re-raised on every rank below)
-            text = "error " + (str(e).splitlines()[0] if str(e) else type(e).__name__)
-    text = bcast_str(world, text) if world.Get_size() > 1 else text
+            got = make()
+            text = "ok " + (got if value else "")
+        except Exception as e:  # noqa: BLE001 (said below, after telling the others)
+            failure = e
+            text = f"error {_rc_of(e)}"
+    text = bcast_str(world, text)
     if text.startswith("error "):
-        raise RuntimeError(text[6:])
-    return text[3:]
+        mine = failure if world.Get_rank() == 0 else None
+        _say_once(world, mine and _one_line(mine), 0, int(text.split()[1]), mine)
+    if world.Get_rank() == 0:
+        return got
+    return text[3:] if value else make()
+
+
+def _all_or_none(world, make):
+    """`make()` on every rank; if it fails on any, rank 0 says the first failure (with its rank) and
+    every rank leaves: a bad weight read by every rank is said once, one read by one rank is said too."""
+    from kccl.mpi_plain import allgather_bytes
+    if world.Get_size() == 1:
+        return make()
+    try:
+        got, mine = make(), b""
+    except Exception as e:  # noqa: BLE001 (reported below, once)
+        got, mine = None, f"{_rc_of(e)} {_one_line(e)}".encode()
+    errs = allgather_bytes(world, mine)
+    bad = [(r, m.decode(errors="replace")) for r, m in enumerate(errs) if m]
+    if not bad:
+        return got
+    r, m = bad[0]
+    rc, msg = m.split(" ", 1)
+    _say_once(world, msg, r, int(rc))
+
+
+def _say_once(world, msg, rank: int, rc: int, exc=None):
+    """Rank 0 prints `msg` as rank `rank`'s error; every rank waits for that, then leaves with `rc` (a
+    rank leaving first could have the launcher kill rank 0 before it says anything). KOG_DEBUG=1:
+    rank 0 raises its own `exc` instead."""
+    if world.Get_rank() == 0:
+        if exc is not None and os.environ.get("KOG_DEBUG"):
+            raise exc
+        print(f"kog-worker: error: rank {rank}: {msg}", file=sys.stderr, flush=True)
+    world.Barrier()
+    raise SaidOnRank0(rc)
 
 
 def _unlink_mpi_segments(world, local_rank: int) -> None:

@@ -3,6 +3,7 @@ ranks, when every rank sees one and the model suits the multi-rank kernel)."""
 from __future__ import annotations
 
 from kog_dist.checkpoint import Model
+from kog_dist.config import check_context_fits
 from kog_dist.formats import open_model
 
 from .cpu_backend import CpuBackend
@@ -73,6 +74,7 @@ def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=
         b = CudaBackend(src, lanes=lanes, max_seq=max_seq, num_slots=num_slots, comm=comm,
                         progress=progress)
         return b, b.cfg
+    check_context_fits(src.cfg, max_seq)   # a context whose KV cache cannot fit is refused before loading
     m = Model(src, lanes, progress)
     b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree, prefill_chunk)
     b.model = m
