@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +95,20 @@ def check_args(a) -> None:
         P.endpoint_host(a.control)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any rank starts: a busy port is one line and exit 2."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def rank_command(a, control: str) -> list[str]:
     cmd = [sys.executable, "-m", "workers", "--control", control, "--backend", a.backend,
            "--bind", a.bind or ("none" if a.nranks == 1 else "cores"), "--slots", str(a.slots),
@@ -153,7 +168,7 @@ def _name(a) -> str | None:
     return None
 
 
-async def _run(a, proc, control) -> int:
+async def _run(a, proc, control, sock) -> int:
     gw = Gateway(control, model_name=_name(a), api_key=a.api_key, max_body_bytes=a.max_body_bytes,
                  timeout=a.timeout, server_key=a.server_key, client_key=a.client_key, log=_say)
     config = uvicorn.Config(gw.app, host=a.host, port=a.port, log_level="warning", loop="asyncio", http="auto",
@@ -201,13 +216,10 @@ async def _run(a, proc, control) -> int:
             await asyncio.sleep(0.1)
 
     sup = loop.create_task(supervise())
-    await server.serve()
+    await server.serve(sockets=[sock])
     sup.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sup
-    if not server.started and why["signal"] is None:
-        _say(f"cannot serve HTTP on {a.host}:{a.port} (see the error above)")
-        return 2
     if why["signal"] is not None:
         _say(f"{signal.Signals(why['signal']).name}: stopping")
     return rc["rc"]
@@ -219,12 +231,13 @@ def main(argv=None) -> int:
         check_args(a)
         control = a.connect or a.control or f"tcp://127.0.0.1:{free_port()}"
         cmd = None if a.connect else rank_command(a, control)
+        sock = listen(a.host, a.port)
     except (UsageError, ValueError) as e:
         print(f"kog serve: error: {e}", file=sys.stderr)
         return 2
     proc = start_ranks(cmd) if cmd is not None else None
     try:
-        rc = asyncio.run(_run(a, proc, control))
+        rc = asyncio.run(_run(a, proc, control, sock))
     except KeyboardInterrupt:
         rc = 0
     finally:

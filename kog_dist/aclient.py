@@ -99,9 +99,12 @@ class AsyncRequest:
 class _Conn:
     """One DEALER socket and the task that routes its replies."""
 
-    def __init__(self, client: "AsyncClient"):
+    def __init__(self, client: "AsyncClient", heartbeat_s: float | None = None):
         s = client._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 200)            # a last cancel still leaves when the socket closes
+        if heartbeat_s:     # a server gone silent (its host died) shows as a disconnect within 3 beats
+            s.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 3000))
         s.setsockopt(zmq.MAXMSGSIZE, P.MAX_REPLY_BYTES)
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.RCVHWM, 100_000)
@@ -141,7 +144,7 @@ class AsyncClient:
         self.connected = False
 
     async def start(self) -> "AsyncClient":
-        self._main = _Conn(self)
+        self._main = _Conn(self, heartbeat_s=1.0)
         # connect/disconnect events of the main connection: when the server goes, every connection does
         self._mon = self._main.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())

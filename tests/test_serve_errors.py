@@ -174,6 +174,12 @@ def test_api_key_and_non_loopback_host(model, coord):
     assert out.proc.wait(30) == 2
     err = out.err.text().strip().splitlines()
     assert len(err) == 1 and "--api-key" in err[0] and "Traceback" not in out.err.text()
+    with socket.socket() as taken:                 # a busy port: one line, exit 2, no rank started
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        out = Proc(kog("serve", "--model", model, "--port", str(taken.getsockname()[1])))
+        assert out.proc.wait(30) == 2
+        assert "cannot listen on" in out.err.text() and len(out.err.text().strip().splitlines()) == 1
     with Serve("--connect", coord.endpoint, "--api-key", "s3cret") as s:
         body = {"prompt": "x", "max_tokens": 1}
         assert _err(_post(s.url, "/v1/completions", body), 401)["code"] == "invalid_api_key"

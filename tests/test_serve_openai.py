@@ -34,9 +34,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def _kog_generate(model, prompt, n):
+def _kog_generate(model, prompt, n, *extra):
     out = subprocess.run(kog("generate", "--model", model, "--prompt", prompt, "-n", str(n), "--json",
-                             "--backend", "cpu"), capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=60)
+                             "--backend", "cpu", *extra), capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -142,3 +142,7 @@ def test_smollm2_answers_through_the_chat_template():
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"        # <|im_end|> ends the turn
+    # `kog generate --prompt` renders the same chat template: the same prompt tokens, the same answer
+    want = _kog_generate(SMOL_GGUF, "What is the capital of France?", 24, "--max-seq", "512")
+    assert r.choices[0].message.content == want["text"]
+    assert r.usage.prompt_tokens == want["prompt_tokens"] and r.usage.completion_tokens == len(want["token_ids"])

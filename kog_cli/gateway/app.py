@@ -80,6 +80,8 @@ class Gateway:
     async def shutdown(self):
         if self._task is not None:
             self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
         await self.client.close()
 
     def fail(self, why: str):
