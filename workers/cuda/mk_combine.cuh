@@ -88,6 +88,7 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, long lo
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL, r0 = (u % UPL) * NR;
+    if (QW && u + NW < ub) prefetch_unit(p, E + (long long)(u + NW) * UE, UE);   // ((l D + r0) K: unit-major)
     float acc[NR];
     if (u - ua < nbuf)
       warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE, NR, sm + (l - l0) * K, acc);

@@ -41,14 +41,16 @@ template <int K>
 __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c) {
   constexpr int NC = K / QCW;
   const u32 v[4] = {w.x, w.y, w.z, w.w};
-  float s = 0.f, sx = 0.f;
-  if (QW == 1) {   // Q8_0: 16 int8 (bytes + 128 as unsigned), float4 s = word s
+  float t[4], sx = 0.f;   // one chain a word: 8 (Q4) or 4 (Q8) dependent FMAs instead of 32 or 16
+  if (QW == 1) {   // Q8_0: 16 int8 (bytes + 128 as unsigned), float4 q = word q
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const u32 u = v[q] ^ 0x80808080u;
-      s = fmaf(qbyte(u, 0, 8388736.f), a.x, s); s = fmaf(qbyte(u, 1, 8388736.f), a.y, s);
+      float s = qbyte(u, 0, 8388736.f) * a.x;
+      s = fmaf(qbyte(u, 1, 8388736.f), a.y, s);
       s = fmaf(qbyte(u, 2, 8388736.f), a.z, s); s = fmaf(qbyte(u, 3, 8388736.f), a.w, s);
+      t[q] = s;
     }
   } else {         // Q4_*: word q's low nibbles are elements 4q.., its high nibbles elements 16 + 4q..
     constexpr float MG = QW == 2 ? 8388616.f : 8388608.f;   // Q4_0: q - 8; Q4_1: q
@@ -57,13 +59,16 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
       const u32 lo = v[q] & 0x0F0F0F0Fu, hi = (v[q] >> 4) & 0x0F0F0F0Fu;
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
-      s = fmaf(qbyte(lo, 0, MG), a.x, s); s = fmaf(qbyte(lo, 1, MG), a.y, s);
+      float s = qbyte(lo, 0, MG) * a.x;
+      s = fmaf(qbyte(lo, 1, MG), a.y, s);
       s = fmaf(qbyte(lo, 2, MG), a.z, s); s = fmaf(qbyte(lo, 3, MG), a.w, s);
       s = fmaf(qbyte(hi, 0, MG), b.x, s); s = fmaf(qbyte(hi, 1, MG), b.y, s);
       s = fmaf(qbyte(hi, 2, MG), b.z, s); s = fmaf(qbyte(hi, 3, MG), b.w, s);
+      t[q] = s;
       if (QW == 3) sx += ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
     }
   }
+  const float s = (t[0] + t[1]) + (t[2] + t[3]);
   float r = hbits2f(sc & 0xffffu) * s;
   if (QW == 3) r = fmaf(hbits2f(sc >> 16), sx, r);
   return r;
@@ -195,7 +200,8 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
 // a layer matrix's rows (element e of p.w's index), in whichever storage the build has
 template <int NR, int K, int UBM = CFG_UBMAX>
 __device__ __forceinline__ void wdot(const Params& p, long long e, int nvalid, const float* xs, float* out) {
-  if constexpr (QW != 0) warp_dotq<NR, K, UBM>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
+  // quantized: at most 8 loads in flight a lane (each 16-32 weights; more spilled in the Q8_0 2B build)
+  if constexpr (QW != 0) warp_dotq<NR, K, (UBM < 8 ? UBM : 8)>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
   else warp_dot<NR, K, false, UBM>(p.w + e, nvalid, xs, out);
 }
 // bytes of n elements of the layer matrices, and the L2 prefetch of elements [e, e + n) (quants and scales)
@@ -208,5 +214,19 @@ __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long lo
     prefetch_l2(reinterpret_cast<const unsigned char*>(p.ws) + a0, (e + n) / 32 * QSB - a0, limit / 8);
   } else {
     prefetch_l2(p.w + e, wbytes(n), limit);
+  }
+}
+// quantized builds: the L2 prefetch of one unit's rows (n elements from e; lines of quants and scales, a
+// lane a line), issued by a warp for the unit NW takes ahead of its own, so that HBM streams the next
+// units while the warps dequantize (the arithmetic of a quantized chunk is 4-8 times a bf16 chunk's)
+__device__ __forceinline__ void prefetch_unit(const Params& p, long long e, long long n) {
+  if constexpr (QW != 0) {
+    const int lane = threadIdx.x & 31;
+    const unsigned char* q = reinterpret_cast<const unsigned char*>(p.w) + e * QBITS / 8;
+    const long long nq = (n * QBITS / 8 + 127) / 128;
+    for (long long k = lane; k < nq; k += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(q + k * 128));
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(p.ws) + e / 32 * QSB;
+    const long long ns = (n / 32 * QSB + 127) / 128;
+    if (lane < ns) asm volatile("prefetch.global.L2 [%0];" ::"l"(sb + lane * 128));
   }
 }

@@ -88,6 +88,8 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     int r = row, region = 0;
     if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
     const int hh = r / HD, dd = r % HD;
+    if (QW && u + NW < ub)
+      prefetch_unit(p, E + ((long long)((u + NW) / UPL_QKV) * RQKV + 2 * ((u + NW) % UPL_QKV)) * D, UE_QKV);
     float2 cs = make_float2(1.f, 0.f);
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
@@ -216,6 +218,7 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
+    if (QW && u + NW < ub) prefetch_unit(p, E + (long long)(u + NW) * UE_W13, UE_W13);   // (l FL + j) 2D
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
     else wdot<2, D>(p, E + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
