@@ -369,7 +369,14 @@ class Model:
     the source from then on: close() closes it."""
 
     def __init__(self, src, lanes: range | None = None, progress: bool | None = None):
-        self.cfg, self.weights, self.reader = load_weights(src, lanes, progress)
+        if isinstance(src, (str, os.PathLike)):
+            from .formats import open_model    # see load_weights
+            src = open_model(os.fspath(src), progress=progress)
+        try:
+            self.cfg, self.weights, self.reader = load_weights(src, lanes, progress)
+        except BaseException:       # the source is the Model's from the start: a failed load closes it
+            src.close()
+            raise
         self.src = self.reader
         self.dir = self.reader.model_dir
         self.lanes = self.weights.lanes

@@ -282,7 +282,8 @@ def _from_gguf(fields: dict, cfg) -> HFTokenizer:
     if model is None or not tokens:
         raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
     tokens = [str(t) for t in tokens]
-    types = [int(t) for t in (fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))]
+    types = [int(t) for t in (_gguf_list(fields, "tokenizer.ggml.token_type", numbers.Integral)
+                              or [_NORMAL] * len(tokens))]
     if len(types) != len(tokens):
         raise ValueError(f"the GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
     if model == "gpt2":
@@ -302,17 +303,38 @@ def _from_gguf(fields: dict, cfg) -> HFTokenizer:
     bos_id = tid("tokenizer.ggml.bos_token_id")
     if bos_id is None and cfg.bos_token_ids:
         bos_id = cfg.bos_token_ids[0]
-    add_bos = fields.get("tokenizer.ggml.add_bos_token", default_add_bos)
+    add_bos = _gguf_value(fields, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
     eos = [i for i in (tid("tokenizer.ggml.eos_token_id"), tid("tokenizer.ggml.eot_token_id"),
                        tid("tokenizer.ggml.eom_token_id")) if i is not None]
     eos += list(cfg.eos_token_ids or ())
     index = {t: i for i, t in enumerate(tokens)}
     eos += [index[t] for t in END_OF_TURN if t in index]
-    template = fields.get("tokenizer.chat_template")
+    template = _gguf_value(fields, "tokenizer.chat_template", str, None)
     return HFTokenizer(tok, kind="gguf", vocab_size=cfg.vocab_size, bos_id=bos_id, eos_ids=eos,
                        add_bos=bool(add_bos), chat_template=template if isinstance(template, str) else None,
                        bos_token=tokens[bos_id] if bos_id is not None and bos_id < len(tokens) else None,
                        eos_token=tokens[eos[0]] if eos and eos[0] < len(tokens) else None)
+
+
+def _gguf_value(fields: dict, key: str, kind, default):
+    """A GGUF tokenizer field of the type it must have (bool, str), `default` when absent; a one-line
+    ValueError naming the key otherwise."""
+    if key not in fields or fields[key] is None:
+        return default
+    v = fields[key]
+    if not isinstance(v, kind):
+        raise ValueError(f"the GGUF metadata {key} must be a {kind.__name__}, not {type(v).__name__}")
+    return v
+
+
+def _gguf_list(fields: dict, key: str, kind) -> list:
+    """A GGUF array field whose items are all `kind` (numbers.Integral, numbers.Real), [] when absent."""
+    v = fields.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"the GGUF metadata {key} must be a list of numbers, not {type(v).__name__}")
+    return list(v)
 
 
 def _add_specials(tok: Tokenizer, tokens, types):
@@ -362,7 +384,7 @@ def _spm(tokens, types, fields) -> Tokenizer:
     """A SentencePiece-style vocabulary as a BPE whose merges are ranked by the merged piece's score:
     llama.cpp's SPM tokenizer merges the adjacent pair whose union has the highest score, which is
     BPE with that order; characters outside the vocabulary fall back to <0xNN> byte tokens."""
-    scores = fields.get("tokenizer.ggml.scores")
+    scores = _gguf_list(fields, "tokenizer.ggml.scores", numbers.Real)
     scores = [float(s) for s in scores] if scores else [-float(i) for i in range(len(tokens))]
     if len(scores) != len(tokens):
         raise ValueError(f"the GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores")
@@ -380,7 +402,7 @@ def _spm(tokens, types, fields) -> Tokenizer:
     unk = next((tokens[i] for i, ty in enumerate(types) if ty == _UNKNOWN), None)
     tok = Tokenizer(models.BPE(vocab, [(r[4], r[5]) for r in ranked], unk_token=unk, fuse_unk=True,
                                byte_fallback=True))
-    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = _gguf_value(fields, "tokenizer.ggml.add_space_prefix", bool, True)
     # "▁" in front of each stretch of text between special tokens, as llama.cpp does (a leading space of
     # the text itself stays a second "▁", so text round-trips)
     steps = [normalizers.Prepend("▁")] if prefix else []

@@ -7,6 +7,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ def read_st(path):
     f = _File(path)
     header, start = dict(f.header), f.data_start
     f.close()
-    data = open(path, "rb").read()[start:]
+    data = Path(path).read_bytes()[start:]
     return header, data
 
 
@@ -64,7 +65,7 @@ def edit_header(d, fn):
 
 def edit_config(d, **kw):
     p = os.path.join(d, "config.json")
-    c = json.load(open(p))
+    c = json.loads(Path(p).read_text())
     c.update(kw)
     with open(p, "w") as f:
         f.write(json.dumps(c))     # json writes inf / nan as Infinity / NaN, as a hostile file would
@@ -104,7 +105,7 @@ def test_the_undamaged_model_loads(base, tmp_path):
 def test_truncation_at_every_structural_boundary(base, tmp_path):
     d = copy(base, tmp_path)
     p = os.path.join(d, ST)
-    whole = open(p, "rb").read()
+    whole = Path(p).read_bytes()
     (hlen,) = struct.unpack("<Q", whole[:8])
     h, _ = read_st(p)
     cuts = {0, 4, 7, 8, 9, 8 + hlen // 2, 8 + hlen - 1, 8 + hlen, len(whole) - 1}
@@ -257,7 +258,7 @@ def test_config_files_that_are_not_json_objects(base, tmp_path):
     d = copy(base, tmp_path)
     p = os.path.join(d, "config.json")
     for text in (b"[]", b"{", b"\xff\xfe", b"[" * 100000, b"5"):
-        open(p, "wb").write(text)
+        Path(p).write_bytes(text)
         refused(d, "config.json")
 
 
@@ -272,7 +273,7 @@ def test_context_whose_kv_cache_cannot_fit_is_refused_saying_so():
 def test_weight_map_outside_the_model_directory_is_refused_without_opening(base, tmp_path):
     d = copy(base, tmp_path, "sharded")
     index = os.path.join(d, "model.safetensors.index.json")
-    idx = json.load(open(index))
+    idx = json.loads(Path(index).read_text())
     shard = sorted(set(idx["weight_map"].values()))[0]
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -281,15 +282,15 @@ def test_weight_map_outside_the_model_directory_is_refused_without_opening(base,
     for where in (str(outside / shard), f"../outside/{shard}", f"sub/../../outside/{shard}", "~/x.safetensors",
                   "/etc/passwd", "/nonexistent/x.safetensors"):
         i2 = dict(idx, weight_map={k: (where if v == shard else v) for k, v in idx["weight_map"].items()})
-        json.dump(i2, open(index, "w"))
+        Path(index).write_text(json.dumps(i2))
         msg = refused(d, "outside the model directory")
         assert str(size) not in msg and "No such file" not in msg and "bytes" not in msg, msg
     for wmap, word in ((["a"], "weight_map"), ({T: 5}, "not a file name"), ({T: ""}, "not a file name"),
                        ({**idx["weight_map"], T: sorted(set(idx["weight_map"].values()))[1 - (idx["weight_map"][T]
                          == sorted(set(idx["weight_map"].values()))[1])]}, "does not hold it")):
-        json.dump(dict(idx, weight_map=wmap), open(index, "w"))
+        Path(index).write_text(json.dumps(dict(idx, weight_map=wmap)))
         refused(d, word)
-    open(index, "w").write("{")
+    Path(index).write_text("{")
     refused(d, "malformed")
 
 
@@ -302,17 +303,17 @@ def test_hugging_face_directories(tmp_path):
 
     d = hf("outside")
     index = os.path.join(d, "model.safetensors.index.json")
-    idx = json.load(open(index))
+    idx = json.loads(Path(index).read_text())
     first = sorted(set(idx["weight_map"].values()))[0]
     shutil.copy(os.path.join(d, first), tmp_path / "elsewhere.safetensors")
     idx["weight_map"] = {k: (str(tmp_path / "elsewhere.safetensors") if v == first else v)
                          for k, v in idx["weight_map"].items()}
-    json.dump(idx, open(index, "w"))
+    Path(index).write_text(json.dumps(idx))
     refused(d, "outside the model directory")
     d = hf("cut")
     p = os.path.join(d, first)
-    data = open(p, "rb").read()
-    open(p, "wb").write(data[:len(data) // 2])
+    data = Path(p).read_bytes()
+    Path(p).write_bytes(data[:len(data) // 2])
     refused(d, first)
     t2 = dict(t)
     t2["model.layers.1.mlp.down_proj.weight"] = np.full_like(t["model.layers.1.mlp.down_proj.weight"], np.nan)

@@ -83,6 +83,9 @@ class GGUFSource(ModelSource):
             fields = read_fields(r)
         except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "GGMLQuantizationType" in msg:   # gguf's enum refuses a type number GGML does not define
+                raise FormatError(f"{path}: a tensor has an unknown GGML type ({msg.split(' is ')[0]}; "
+                                  f"supported: {', '.join(SUPPORTED_NAMES)})") from None
             raise FormatError(f"{path} is not a readable GGUF file (truncated or corrupt: {msg})") from None
         self._r = r
         arch = fields.get("general.architecture")
