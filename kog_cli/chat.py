@@ -12,11 +12,13 @@ Commands: /reset (a new conversation), /stats (TTFT, tokens/s, reused and prefil
 from __future__ import annotations
 
 import argparse
+import secrets
 import signal
 import sys
 import time
 
 from kog_dist.client import Client, ClientTimeout, ServerError, ServerGone, Stream
+from launch.cli import free_port
 
 from .serve import UsageError, _Parser, rank_command, start_ranks, stop_ranks
 
@@ -80,11 +82,7 @@ class Chat:
         msg = {"op": "generate", "session": self.session.id, "messages": messages, "stream": True,
                "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p,
                "top_k": a.top_k}
-        if a.seed is not None:
-            msg["seed"] = a.seed
-        else:
-            import secrets
-            msg["seed"] = secrets.randbits(63)
+        msg["seed"] = a.seed if a.seed is not None else secrets.randbits(63)
         return msg
 
     def turn(self, text: str):
@@ -192,7 +190,6 @@ def main(argv=None) -> int:
             raise UsageError("--np and --max-new-tokens must be >= 1")
         if a.connect and (a.model or a.nranks != 1):
             raise UsageError("--connect talks to a running job: --model and --np belong to that job")
-        from launch.cli import free_port
         control = a.connect or f"tcp://127.0.0.1:{free_port()}"
         if not a.connect:
             sa = argparse.Namespace(model=a.model, nranks=a.nranks, backend=a.backend, max_seq=a.max_seq,

