@@ -121,9 +121,8 @@ class Coordinator(Scheduler):
             raise ControlError(f"cannot bind {self.endpoint}: {e}") from None
         try:
             self.secret_path, self.secret = write_secret(s.getsockopt_string(zmq.LAST_ENDPOINT))
-        except ControlError:
-            s.close(0)
-            raise
+        except ControlError as e:   # serve anyway: only the shutdown op is lost (SIGTERM still works)
+            self.log(f"{e}; the shutdown op is refused to every client but CURVE ones")
         self.sock = s
         self.bound = s.getsockopt_string(zmq.LAST_ENDPOINT)
         self.wake_rx = self.ctx.socket(zmq.PULL)
@@ -176,7 +175,8 @@ class Coordinator(Scheduler):
                 signal.signal(sig, h)
             self.sock.close(linger=1000)        # flush the last replies (errors, results)
             self.wake_rx.close(0)
-            remove_secret(self.secret_path, self.secret)
+            if self.secret_path:
+                remove_secret(self.secret_path, self.secret)
             if self.auth is not None:
                 self.auth.stop()
             if not thread.is_alive():
@@ -353,8 +353,9 @@ class Coordinator(Scheduler):
             raise ProtocolError("shutting_down", "the server is shutting down")
         if op == "shutdown":
             if not self._may_shut_down(req):
-                raise ProtocolError("forbidden", "shutdown needs this server's secret (kog client shutdown reads "
-                                                 f"it from {self.secret_path}, as the same user) or a CURVE client")
+                where = (f"kog client shutdown reads it from {self.secret_path}, as the same user"
+                         if self.secret_path else "this server could not write one")
+                raise ProtocolError("forbidden", f"shutdown needs this server's secret ({where}) or a CURVE client")
             self._ok(ident, envelope, req, shutting_down=True)
             return self._begin_shutdown("shutdown op")
         if op == "open":

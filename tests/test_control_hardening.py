@@ -137,6 +137,15 @@ def test_shutdown_needs_the_secret(model, runtime):
         srv.stop()
 
 
+def test_no_writable_runtime_directory_still_serves(model, runtime):
+    (runtime / "kog_dist").write_text("not a directory")          # even root cannot make the folder
+    backend, cfg, tok = load(model)
+    with Server(backend, tok, cfg) as srv, Client(srv.endpoint, timeout=10) as c:
+        assert c.generate(prompt_ids=PROMPT, max_new_tokens=2).stats["new_tokens"] == 2
+        e = _err(c.shutdown)
+        assert e.code == "forbidden" and "could not write" in e.message
+
+
 def test_curve_clients_may_shut_down_and_a_refusal_says_so(model, tmp_path):
     import zmq.auth
     keys, clients, other = tmp_path / "keys", tmp_path / "clients", tmp_path / "other"

@@ -185,7 +185,8 @@ def _ranks_of(root):
             continue
         if len(cmd) > 2 and b"python" in os.path.basename(cmd[0]) and cmd[1:3] == [b"-m", b"workers"]:
             out.append(pid)
-    return sorted(out)
+    keepers = {parent[q] for q in out}          # under hydra each rank is a keeper's child (workers/keeper.py)
+    return sorted(q for q in out if q not in keepers)
 
 
 def _busy(pids):

@@ -1,9 +1,9 @@
 """A frozen rank (SIGSTOP) under the real mpiexec: its heartbeat stops, rank 0 tells every client
 backend_failed naming the rank within 5 s, and the whole job (the frozen rank too) is gone within
-10 s with nothing left in /dev/shm; with hydra's default cleanup and with -disable-auto-cleanup.
-(A rank SIGKILLed instead cannot be reported under MPICH: hydra's proxy SIGKILLs every rank of the
-job as soon as one dies of a signal, whatever -disable-auto-cleanup says; test_control_mpi.py's
-test_killed_rank accepts ServerGone for that reason.)"""
+10 s with nothing left in /dev/shm; with hydra's default cleanup and with -disable-auto-cleanup. A
+rank SIGKILLed under -disable-auto-cleanup reaches the clients as backend_failed too, not as a lost
+server: hydra's proxy SIGKILLs every rank as soon as one dies *of a signal*, so each rank runs under
+a keeper process that turns that death into an exit code (workers/keeper.py)."""
 from __future__ import annotations
 
 import os
@@ -84,6 +84,21 @@ def test_sigstopped_rank_while_idle(model, prefix):
         t0 = time.monotonic()
         assert job.wait(10) != 0
         assert time.monotonic() - t0 < 10
+        job.assert_gone()
+        assert not _left_in_shm(prefix) and "Traceback" not in job.output()
+    finally:
+        job.kill()
+
+
+def test_killed_rank_survivors_kept_reports_backend_failed(model, prefix):
+    job = Job(model, 2, auto_cleanup=False)
+    try:
+        clients, streams = _running_and_queued(job.endpoint)
+        os.kill(job.ranks[1], signal.SIGKILL)
+        _expect_backend_failed(streams, 1, time.monotonic(), 5.0)
+        for c in clients:
+            c.close()
+        assert job.wait(10) != 0
         job.assert_gone()
         assert not _left_in_shm(prefix) and "Traceback" not in job.output()
     finally:

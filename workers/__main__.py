@@ -45,6 +45,8 @@ def log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
+    from .keeper import keep
+    keep()   # under MPICH's hydra the rank runs as a child of a keeper (workers/keeper.py says why)
     a = parser().parse_args(argv)
     try:
         rc = run(a)
