@@ -123,14 +123,17 @@ def find_template(model_dir: str, tokenizer_config: dict) -> str | None:
     chat_template.json, else tokenizer_config.json's chat_template (transformers' order)."""
     path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not readable UTF-8 text: {_first_line(e)}") from None
     path = os.path.join(model_dir, "chat_template.json")
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise ValueError(f"{path} is not valid JSON: {_first_line(e)}") from None
         if isinstance(data, dict):
             return pick_template(data.get("chat_template"), path)

@@ -406,6 +406,28 @@ def check_finite(name: str, a: np.ndarray, rows=None) -> np.ndarray:
     return a
 
 
+# exponent bits all ones: inf or NaN, for the 16-bit storage types (no conversion to float32 needed)
+_NONFINITE_MASK = {"F16": 0x7C00, "BF16": 0x7F80}
+
+
+def check_finite_bits(name: str, bits: np.ndarray, dtype: str, sample: int | None = None) -> np.ndarray:
+    """check_finite on storage bits as raw() serves them ("F32" float32, "F16" float16, "BF16" uint16
+    bits). `sample`: check only that many rows spread over the tensor (an upload path that must not
+    pay a full pass: a NaN layer is still caught). Returns `bits`."""
+    a, rows = np.asarray(bits), None
+    if a.ndim > 1 and sample is not None:
+        flat = a.reshape(-1, a.shape[-1])      # rows of the last axis, counted over the leading ones
+        rows = np.unique(np.linspace(0, len(flat) - 1, min(len(flat), sample)).astype(np.int64))
+        a = flat[rows]
+    if dtype in _NONFINITE_MASK:
+        m = _NONFINITE_MASK[dtype]
+        if ((a.view(np.uint16) & m) == m).any():
+            check_finite(name, to_float32(a.view(np.uint16) if dtype == "BF16" else a, dtype), rows)
+        return bits
+    check_finite(name, a, rows)
+    return bits
+
+
 def _slice_bytes(src, name: str, lanes: range, cfg: LaneformerConfig) -> int:
     n = int(np.prod(src.shape(name), dtype=np.int64)) * ITEMSIZE[src.dtype(name)]
     return n * len(lanes) // cfg.num_lanes if is_lane_first(name) else n

@@ -218,7 +218,7 @@ def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a {type(data).__name__}, not an object")

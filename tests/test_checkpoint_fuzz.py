@@ -371,3 +371,53 @@ def test_worker_ranks_say_a_bad_file_once(base, tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count(f"tensor {T} has data_offsets") == 1, r.stderr
     assert "kog-worker: error: rank 0:" in r.stderr
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_finite_check_on_storage_bits_catches_a_nan_layer_when_sampled(dtype):
+    from kog_dist.checkpoint import bf16_bits, check_finite_bits
+    a = np.random.default_rng(0).standard_normal((2, 40, 16)).astype(np.float32)
+    store = {"F32": lambda x: x, "F16": lambda x: x.astype(np.float16), "BF16": bf16_bits}[dtype]
+    assert check_finite_bits("w", store(a), dtype, sample=8) is not None
+    a[1] = np.nan                                   # lane 1 all NaN: every sample of it sees one
+    with pytest.raises(CheckpointError, match="tensor w holds non-finite"):
+        check_finite_bits("w", store(a), dtype, sample=8)
+    a = np.ones((4, 16), np.float32)
+    a[2, 3] = np.inf
+    with pytest.raises(CheckpointError, match="row 2"):
+        check_finite_bits("w", store(a), dtype)     # the full check finds a single value
+
+
+TOKENIZER_FILES = {
+    "tokenizer_json_garbage": ("tokenizer.json", b"{not json", "tokenizer.json"),
+    "tokenizer_json_deep": ("tokenizer.json", b"[" * 100000, "tokenizer.json"),
+    "tokenizer_config_list": ("tokenizer_config.json", b"[1, 2]", "tokenizer_config.json"),
+    "tokenizer_config_deep": ("tokenizer_config.json", b"[" * 100000, "tokenizer_config.json"),
+    "tokenizer_config_bad_utf8": ("tokenizer_config.json", b'{"a": "\xff"}', "tokenizer_config.json"),
+    "template_json_deep": ("chat_template.json", b"[" * 100000, "chat_template.json"),
+    "template_json_int": ("chat_template.json", b'{"chat_template": 5}', "chat_template"),
+    "template_jinja_bad_utf8": ("chat_template.jinja", b"{{ '\xff' }}", "chat_template.jinja"),
+    "generation_config_deep": ("generation_config.json", b"{" * 100000, "generation_config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKENIZER_FILES))
+def test_tokenizer_files_that_are_damaged(base, tmp_path, case):
+    from kog_dist.tokenizer import load_tokenizer
+    from tokenizers import Tokenizer, models
+    fname, content, word = TOKENIZER_FILES[case]
+    d = copy(base, tmp_path)
+    Tokenizer(models.BPE({"a": 0, "b": 1}, [])).save(os.path.join(d, "tokenizer.json"))
+    Path(d, fname).write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(open_model(d, progress=False)).apply_chat_template([{"role": "user", "content": "a"}])
+    assert "\n" not in str(e.value) and word in str(e.value), str(e.value)
+
+
+def test_tokenizer_larger_than_the_vocabulary(base, tmp_path):
+    from kog_dist.tokenizer import load_tokenizer
+    from tokenizers import Tokenizer, models
+    d = copy(base, tmp_path)
+    Tokenizer(models.BPE({f"t{i}": i for i in range(400)}, [])).save(os.path.join(d, "tokenizer.json"))
+    with pytest.raises(ValueError, match="400 tokens but the model's vocabulary has 300"):
+        load_tokenizer(open_model(d, progress=False))
