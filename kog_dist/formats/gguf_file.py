@@ -104,7 +104,8 @@ class GGUFSource(ModelSource):
             if b1 < e0:
                 raise FormatError(f"{path}: tensors {n0[:80]} and {n1[:80]} overlap (bad tensor offsets)")
         cfg = gguf_config(fields, tensors, path)
-        super().__init__(path, cfg, name=fields.get("general.name") or os.path.basename(path),
+        name = fields.get("general.name")
+        super().__init__(path, cfg, name=name if isinstance(name, str) and name else os.path.basename(path),
                          model_dir=os.path.dirname(os.path.abspath(path)))
         self.gguf_fields = fields
         self._t: dict[str, object] = {}
