@@ -175,19 +175,25 @@ class Client:
         while mon.poll(0):
             ev = recv_monitor_message(mon)
             if ev["event"] & _HANDSHAKE_FAILED:
-                raise HandshakeRefused(self._refusal(ev["event"]))
+                raise HandshakeRefused(self._refusal(ev["event"], ev["value"]))
             gone = True
         return gone
 
-    def _refusal(self, event) -> str:
+    def _refusal(self, event, value) -> str:
+        """One line for a failed handshake (libzmq tells only so much: a CURVE server refusing a client
+        without keys and a peer that speaks no ZMTP both just close the connection)."""
         curve = self._keys != (None, None)
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return f"the server at {self.endpoint} refused this client's CURVE key (not among its authorised clients)"
-        if not curve:
-            return (f"the handshake with {self.endpoint} failed: the server requires CURVE (give the server's "
-                    "public key and this client's secret key: --server-key, --client-key)")
-        return (f"the CURVE handshake with {self.endpoint} failed: the server does not use CURVE, or its key "
-                "is not the one given as --server-key")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return (f"the handshake with {self.endpoint} failed: " +
+                    ("the server does not use CURVE (drop --server-key/--client-key)" if curve else
+                     "the server requires CURVE (give --server-key and --client-key)"))
+        if curve:
+            return (f"the CURVE handshake with {self.endpoint} failed: the server does not use CURVE, or its "
+                    "key is not the one given as --server-key")
+        return (f"the handshake with {self.endpoint} failed: the server requires CURVE (give --server-key and "
+                "--client-key), or what answers there is not a kog_dist control endpoint")
 
     def _recv(self, want_id, sock=None, timeout=None) -> dict:
         """The next message for request `want_id` (older requests' leftovers are skipped)."""

@@ -177,6 +177,27 @@ def test_curve_clients_may_shut_down_and_a_refusal_says_so(model, tmp_path):
         srv.stop()
 
 
+def test_a_port_that_speaks_no_zmtp_says_so():
+    import socket
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def answer():
+        for _ in range(2):
+            c, _ = srv.accept()
+            c.recv(64)
+            c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            c.close()
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with Client(f"tcp://127.0.0.1:{srv.getsockname()[1]}", timeout=10) as c, pytest.raises(HandshakeRefused) as e:
+        c.health()
+    assert "not a kog_dist control endpoint" in str(e.value) and time.monotonic() - t0 < 3
+    srv.close()
+
+
 def test_sessions_capped_per_client_and_ttl_bounded(slow):
     with Client(slow.endpoint, timeout=10) as a, Client(slow.endpoint, timeout=10) as b:
         mine = [a._call("open", ttl_s=86400.0 * 7) for _ in range(3)]
