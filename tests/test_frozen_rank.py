@@ -103,3 +103,18 @@ def test_killed_rank_survivors_kept_reports_backend_failed(model, prefix):
         assert not _left_in_shm(prefix) and "Traceback" not in job.output()
     finally:
         job.kill()
+
+
+def test_sigstopped_rank_0_ends_the_job(model, prefix, monkeypatch):
+    """Rank 0 frozen: nobody can tell the clients, but the followers (after 4 x the heartbeat deadline,
+    1 s here) end the job, the stopped rank 0 included."""
+    monkeypatch.setenv("KOG_HEARTBEAT_S", "1")
+    job = Job(model, 2, auto_cleanup=False)
+    try:
+        os.kill(job.ranks[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert job.wait(10) != 0 and time.monotonic() - t0 < 10
+        job.assert_gone()
+        assert not _left_in_shm(prefix) and "rank 0" in job.output() and "stopped" in job.output()
+    finally:
+        job.kill()

@@ -6,9 +6,11 @@ fails the job when a peer's stamp is older than ``timeout_s`` (default 3 s: repo
 at once when the peer's process is gone (so a launcher's SIGTERM that follows a rank's death, as
 Open MPI's mpirun sends, is taken for the failure it is, not for a shutdown).
 
-A follower watches rank 0 with a longer deadline (4 x timeout_s) and then leaves the job (exit 1);
-it never kills rank 0, which may only be busy. Rank 0, once its clients are told, SIGKILLs the ranks
-it found frozen (``kill_lost``), since neither the launcher nor the frozen rank would end them.
+A follower watches rank 0 with a longer deadline (4 x timeout_s) and then leaves the job (exit 1),
+SIGKILLing rank 0 first only when /proc says it is stopped (a busy rank 0 is left alone). Rank 0,
+once its clients are told, SIGKILLs the ranks it found frozen (``kill_lost``), since neither the
+launcher nor the frozen rank would end them. (A rank under a debugger looks frozen too: set
+KOG_HEARTBEAT_S=0 to debug.)
 
 The page lives in /dev/shm only between its creation and the barrier that follows everyone's
 mapping of it (rank 0 then unlinks the name), as kccl's segments do: nothing is left behind however
@@ -75,6 +77,7 @@ class Heartbeat:
                 timeout_s = 3.0
         if size < 2 or not timeout_s > 0:
             return None
+        interval_s = min(interval_s, timeout_s / 4)
         seg, path = None, ""
         if rank == 0:
             path = os.path.join(SHM_DIR, f"{segment_prefix()}_hb_{os.getpid()}_{secrets.token_hex(4)}")
@@ -117,6 +120,11 @@ class Heartbeat:
             self._stamp()
             if self.rank != 0 and self.age(0) > self.timeout_s * FOLLOWER_FACTOR:
                 self.log(f"rank {self.rank}: {self._describe(0)}; leaving the job")
+                if _state(self.pid(0)) == "T":   # stopped, not merely busy: nothing else would end it
+                    try:
+                        os.kill(self.pid(0), signal.SIGKILL)
+                    except OSError:
+                        pass
                 os._exit(1)
 
     def _describe(self, r: int) -> str:
