@@ -30,6 +30,7 @@ from .client import BusyError, ClientTimeout, ServerError, ServerGone, _curve
 __all__ = ["AsyncClient", "AsyncRequest", "BusyError", "ClientTimeout", "ServerError", "ServerGone"]
 
 _FINAL = ("result", "error")
+_timeout = getattr(asyncio, "timeout", None)
 
 
 class AsyncRequest:
@@ -40,6 +41,7 @@ class AsyncRequest:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rid = None                      # the server's request number, from `accepted`
         self.done = False
+        self._back = None                    # a message ready_chunks() took but did not return
 
     def __aiter__(self):
         return self
@@ -47,11 +49,36 @@ class AsyncRequest:
     async def __anext__(self) -> dict:
         if self.done:
             raise StopAsyncIteration
+        return self._take(await self._get(self.client.timeout))
+
+    async def _get(self, timeout: float):
+        if self._back is not None:
+            m, self._back = self._back, None
+            return m
+        if not self.queue.empty():            # the common case while a stream flows: no timer at all
+            return self.queue.get_nowait()
         try:
-            msg = await asyncio.wait_for(self.queue.get(), self.client.timeout)
-        except asyncio.TimeoutError:
+            if _timeout is None:                   # Python 3.10
+                return await asyncio.wait_for(self.queue.get(), timeout)
+            async with _timeout(timeout):          # a timer handle, not a task per message (wait_for)
+                return await self.queue.get()
+        except (TimeoutError, asyncio.TimeoutError):
             self._end()
-            raise ClientTimeout(f"no answer from {self.client.endpoint} within {self.client.timeout:g} s") from None
+            raise ClientTimeout(f"no answer from {self.client.endpoint} within {timeout:g} s") from None
+
+    def ready_chunks(self) -> list:
+        """The `chunk` messages already waiting, without waiting (a consumer that fell behind sends
+        them as one); the first message of another kind stays queued for the next __anext__."""
+        out = []
+        while self._back is None and not self.queue.empty():
+            m = self.queue.get_nowait()
+            if isinstance(m, dict) and m.get("type") == "chunk":
+                out.append(m)
+            else:
+                self._back = m
+        return out
+
+    def _take(self, msg) -> dict:
         if isinstance(msg, BaseException):
             self._end()
             raise msg
@@ -168,15 +195,24 @@ class AsyncClient:
 
     # ------------------------------------------------------------------------------ plumbing
     async def _read(self, sock):
+        plain = zmq.Socket.shadow(sock.underlying)    # drains without a Future per message
         while True:
-            data = await sock.recv()
-            try:
-                msg = P.unpackb(data, P.MAX_REPLY_BYTES)
-            except P.ProtocolError:
-                continue
-            req = self._pending.get(msg.get("id"))
-            if req is not None:
-                req.queue.put_nowait(msg)
+            self._route(await sock.recv())
+            for _ in range(1024):
+                try:
+                    data = plain.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(data)
+
+    def _route(self, data):
+        try:
+            msg = P.unpackb(data, P.MAX_REPLY_BYTES)
+        except P.ProtocolError:
+            return
+        req = self._pending.get(msg.get("id"))
+        if req is not None:
+            req.queue.put_nowait(msg)
 
     async def _watch(self):
         while True:
@@ -243,9 +279,7 @@ class AsyncClient:
         t = self.timeout if timeout is None else float(timeout)
         req = self.request({"op": op, **fields}, _conn=_conn or self._main)
         try:
-            msg = await asyncio.wait_for(req.__anext__(), t)
-        except asyncio.TimeoutError:
-            raise ClientTimeout(f"no answer from {self.endpoint} within {t:g} s") from None
+            msg = req._take(await req._get(t))
         finally:
             req._end(reuse=False)
         for k in ("v", "id", "type"):

@@ -38,13 +38,14 @@ def test_playground_streams_an_answer_with_tokens_per_s(tmp_path, browser):
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
     model = tiny_model(tmp_path / "m")
-    # tokens every 10 ms, so the answer visibly streams in
-    with Coordinator(model, delay=0.01) as c, Serve("--connect", c.endpoint, "--served-model-name", "tiny") as s:
+    # tokens every 30 ms, so the answer visibly streams in
+    with Coordinator(model, delay=0.03) as c, Serve("--connect", c.endpoint, "--served-model-name", "tiny") as s:
         browser.get(s.url + "/")
-        wait = WebDriverWait(browser, 20)
+        wait = WebDriverWait(browser, 20, poll_frequency=0.05)
         wait.until(lambda d: "tiny" in d.find_element(By.ID, "model").text)
-        browser.find_element(By.ID, "max_tokens").clear()
-        browser.find_element(By.ID, "max_tokens").send_keys("60")
+        for field, value in (("max_tokens", "60"), ("temperature", "0"), ("seed", "1")):
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
         box = browser.find_element(By.ID, "input")
         box.send_keys("What is a river?")
         box.send_keys(Keys.ENTER)

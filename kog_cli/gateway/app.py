@@ -294,8 +294,9 @@ class _SSE:
             async for m in self.req:
                 kind = m.get("type")
                 if kind == "chunk":
-                    text = m.get("text", "")
-                    if ttft is None and m.get("token_ids"):
+                    more = self.req.ready_chunks()      # fell behind the decode: one event for all
+                    text = m.get("text", "") + "".join(c.get("text", "") for c in more)
+                    if ttft is None and (m.get("token_ids") or more):
                         ttft = time.perf_counter() - self.t0
                     if first or text:
                         await send(self._event(O.chunk_body(self.cid, created, self.model, self.chat, text,
