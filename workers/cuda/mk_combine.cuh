@@ -86,6 +86,26 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, long lo
                                              int nbuf, int l0, const float* cb, const MrPost& mp) {
   constexpr int UPL = D / NR, UE = NR * K;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if constexpr (qpipe_ok<NR, K>()) {   // quantized: the next unit's loads in flight while this one computes
+    QUnit<NR, K> A, B;
+    int u = ua + warp;
+    if (u < ub) qload(p, E + (long long)u * UE, A);
+    while (u < ub) {
+      const int un = next_unit(u, ua, &unit_q);
+      if (un < ub) qload(p, E + (long long)un * UE, B);
+      const int l = u / UPL, r0 = (u % UPL) * NR;
+      float acc[NR];
+      qdot(A, sm + (l - l0) * K, acc);
+      if (lane < NR) {
+        const float pv = pick(acc, NR, lane);
+        combine_finish(p, i, kind, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR + lane));
+        mr_put(mp, l, r0 + lane, pv);
+      }
+      A = B;
+      u = un;
+    }
+    return;
+  }
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL, r0 = (u % UPL) * NR;
     if (QW && u + NW < ub) prefetch_unit(p, E + (long long)(u + NW) * UE, UE);   // ((l D + r0) K: unit-major)

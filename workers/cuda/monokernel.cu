@@ -216,6 +216,21 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
                    writer_mask(l0, l1, UPL_W13, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if constexpr (qpipe_ok<2, D>()) {   // quantized: the next unit's loads in flight while this one computes
+    QUnit<2, D> A, B;
+    int u = ua + warp;
+    if (u < ub) qload(p, E + (long long)u * UE_W13, A);
+    while (u < ub) {
+      const int un = next_unit(u, ua, &unit_q);
+      if (un < ub) qload(p, E + (long long)un * UE_W13, B);
+      const int l = u / UPL_W13, j = u % UPL_W13;
+      float acc[2];
+      qdot(A, sm + (l - l0) * D, acc);
+      if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
+      A = B;
+      u = un;
+    }
+  } else
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     if (QW && u + NW < ub) prefetch_unit(p, E + (long long)(u + NW) * UE_W13, UE_W13);   // (l FL + j) 2D
