@@ -112,14 +112,15 @@ class Client:
         self.owner = owner or secrets.token_hex(16)
         self._keys = (server_key, client_key)
         self._ctx = zmq.Context.instance()
-        self._sock = self._connect()
         # Disconnect events: a server that dies mid-request (a killed job) fails the wait at once;
         # handshake failures: a refused CURVE key says so instead of reading like a crash or a timeout
-        self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        # (the monitor is attached before connecting: a handshake on loopback fails within microseconds)
+        self._sock, self._mon = self._connect(monitor=zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self._ids = itertools.count(1)
         self._open_stream = None
 
-    def _connect(self):
+    def _connect(self, monitor=0):
+        """A DEALER connected to the endpoint; with `monitor` (event flags), (socket, monitor socket)."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, P.MAX_REPLY_BYTES)
@@ -127,8 +128,9 @@ class Client:
         if host and ":" in host:
             s.setsockopt(zmq.IPV6, 1)
         _curve(s, *self._keys)
+        mon = s.get_monitor_socket(monitor) if monitor else None
         s.connect(self.endpoint)
-        return s
+        return (s, mon) if monitor else s
 
     def close(self):
         if self._sock is not None:

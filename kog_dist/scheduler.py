@@ -100,13 +100,13 @@ class Scheduler:
     """Queue, sessions and slot table of one executor; mixed into ``Coordinator``."""
 
     def _init_book(self, executor, tokenizer, cfg, *, queue_limit, session_ttl_s, max_sessions,
-                   max_client_sessions=8, session_ttl_max_s=600.0):
+                   max_client_sessions=8, session_ttl_max_s=600.0, queue_share=None):
         self.session_ttl_max_s = float(session_ttl_max_s)
         self.queue_limit, self.session_ttl_s = int(queue_limit), min(float(session_ttl_s), self.session_ttl_max_s)
         self.max_sessions, self.max_client_sessions = max_sessions, int(max_client_sessions)
         # one client holds at most this many queue places, so a flood (or a fast retry loop on busy)
         # from one connection always leaves room for the others
-        self.queue_share = max(1, self.queue_limit // 2)
+        self.queue_share = max(1, self.queue_limit // 2) if queue_share is None else max(1, int(queue_share))
         self.vocab = getattr(cfg, "vocab_size", None)
         self.max_seq = int(executor.max_seq)
         self.eos = set(getattr(tokenizer, "eos_ids", ()) or ()) | set(getattr(cfg, "eos_token_ids", ()) or ())

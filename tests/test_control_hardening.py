@@ -276,6 +276,30 @@ def test_one_client_holds_at_most_its_share_of_the_queue(slow):
                 c.close()
 
 
+def test_queue_share_is_a_server_setting(model):
+    """A gateway that is the server's only client may be given the whole queue (--client-queue)."""
+    backend, cfg, tok = load(model)
+    with Server(Throttled(backend, 0.01), tok, cfg, queue_limit=3, queue_share=3) as srv, \
+            Client(srv.endpoint, timeout=10) as a:
+        running = a.stream(prompt_ids=PROMPT, max_new_tokens=300)
+        next(running)
+        more = [Client(srv.endpoint, timeout=10, owner=a.owner) for _ in range(4)]
+        try:
+            queued = [c.stream(prompt_ids=PROMPT, max_new_tokens=1) for c in more[:3]]
+            for q in queued:
+                q._step()
+            assert [q.position for q in queued] == [1, 2, 3]
+            with pytest.raises(BusyError):
+                more[3].generate(prompt_ids=PROMPT, max_new_tokens=1)      # the queue itself is full
+            a.cancel(rid=running.rid)
+            list(running)
+            for q in queued:
+                list(q)
+        finally:
+            for c in more:
+                c.close()
+
+
 @pytest.mark.parametrize("field, value", [("temperature", 2e6), ("temperature", -1e-300), ("temperature", "0"),
                                           ("temperature", float("nan")), ("top_k", (1 << 31) + 1), ("top_k", 1.0),
                                           ("top_p", 0.0), ("top_p", 1.0000001), ("seed", 1 << 64), ("seed", -1),

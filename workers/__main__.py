@@ -33,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl-max", type=float, default=600.0,
                    help="the longest ttl_s a client may ask for (default 600 s)")
     p.add_argument("--client-sessions", type=int, default=8, help="sessions one client may hold (default 8)")
+    p.add_argument("--client-queue", type=int, default=None,
+                   help="queue places one client may hold (default half of --queue-limit)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --control (needs CURVE keys)")
     p.add_argument("--curve-server-key", help="server secret key file (zmq.auth format)")
     p.add_argument("--curve-clients", help="directory of authorised client public keys")
@@ -273,7 +275,8 @@ def _serve(a, src, cfg, backend, comm, hb=None) -> int:
     try:
         coord = Coordinator(a.control, group, load_tokenizer(src), cfg, allow_remote=a.allow_remote,
                             curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl,
-                            session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions)
+                            session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions,
+                            queue_share=a.client_queue)
         coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve
         rc = coord.serve()
         if hb is not None and hb.lost:
