@@ -55,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without --api-key")
     p.add_argument("--served-model-name", help="the model id clients use (default: the model's file name)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any coordinator message")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request waits for its next coordinator message (a queued one hears "
+                        "only when its place changes; a coordinator that stops answering health fails "
+                        "its requests within seconds)")
     p.add_argument("--control", help="the endpoint the ranks bind (default: a free loopback port)")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-seq", type=int, default=None)

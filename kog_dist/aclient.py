@@ -225,6 +225,10 @@ class AsyncClient:
                 self._fail_all(ServerGone(f"the server at {self.endpoint} closed the connection "
                                           f"(it stopped or crashed)"))
 
+    def fail_pending(self, why: str) -> None:
+        """Fail every request in flight with ServerGone(why) (the caller judged the server dead)."""
+        self._fail_all(ServerGone(why))
+
     def _fail_all(self, exc):
         for req in list(self._pending.values()):
             req.queue.put_nowait(exc)

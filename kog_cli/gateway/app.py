@@ -42,7 +42,7 @@ class Gateway:
     """State shared by the routes: the coordinator client, its health, the metrics."""
 
     def __init__(self, endpoint: str, *, model_name: str | None = None, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, timeout: float = 60.0, health_every_s: float = 1.0,
+                 max_body_bytes: int = MAX_BODY_BYTES, timeout: float = 600.0, health_every_s: float = 1.0,
                  server_key=None, client_key=None, log=None):
         self.endpoint, self.model_name, self.max_body = endpoint, model_name, int(max_body_bytes)
         self._key = api_key.encode() if api_key else None
@@ -89,14 +89,21 @@ class Gateway:
         self.state, self.failure = "failed", why
 
     async def _watch_health(self):
+        misses = 0
         while True:
             try:
-                h = await self.client.call("health", timeout=max(1.0, self.health_every_s))
+                h = await self.client.call("health", timeout=max(2.0, self.health_every_s))
             except (ClientTimeout, ServerGone, ServerError):
-                if self.state == "ok":
+                misses += 1
+                # three misses in a row (a dropped connection shows at once, through the client's
+                # disconnect events): the coordinator hangs, so the requests waiting on it fail now
+                # instead of after --timeout
+                if self.state == "ok" and (misses >= 3 or not self.client.connected):
                     self.state = "down"
                     self.log(f"the coordinator at {self.endpoint} stopped answering")
+                    self.client.fail_pending(f"the coordinator at {self.endpoint} stopped answering")
             else:
+                misses = 0
                 self.health = h
                 if self.state != "failed":
                     self.state = "ok" if h.get("status") == "ok" else "down"
