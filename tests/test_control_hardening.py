@@ -258,9 +258,10 @@ def test_one_client_holds_at_most_its_share_of_the_queue(slow):
         next(running)
         share = [Client(slow.endpoint, timeout=10, owner=a.owner) for _ in range(3)]
         try:
-            queued = [c.stream(prompt_ids=PROMPT, max_new_tokens=1) for c in share[:2]]
-            for q in queued:
-                q._step()
+            queued = []
+            for c in share[:2]:
+                queued.append(c.stream(prompt_ids=PROMPT, max_new_tokens=1))
+                queued[-1]._step()
             e = _err(share[2].generate, prompt_ids=PROMPT, max_new_tokens=1)   # queue_limit 4: A's share is 2
             assert isinstance(e, BusyError) and "its share" in e.message
             qb = b.stream(prompt_ids=PROMPT, max_new_tokens=1)
@@ -285,9 +286,10 @@ def test_queue_share_is_a_server_setting(model):
         next(running)
         more = [Client(srv.endpoint, timeout=10, owner=a.owner) for _ in range(4)]
         try:
-            queued = [c.stream(prompt_ids=PROMPT, max_new_tokens=1) for c in more[:3]]
-            for q in queued:
-                q._step()
+            queued = []
+            for c in more[:3]:                  # one at a time: three connections' frames race otherwise
+                queued.append(c.stream(prompt_ids=PROMPT, max_new_tokens=1))
+                queued[-1]._step()
             assert [q.position for q in queued] == [1, 2, 3]
             with pytest.raises(BusyError):
                 more[3].generate(prompt_ids=PROMPT, max_new_tokens=1)      # the queue itself is full
