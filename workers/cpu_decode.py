@@ -127,6 +127,10 @@ class FastDecoder:
         self.gu = np.empty((nl, 2 * F), _F32)
         self.vec = np.empty((nl, cfg.hidden_size), _F32)
         self.tmp = np.empty(F, _F32)
+        # the one-lane step's per-layer operands as plain 2-D / 1-D arrays, bound once
+        self.one = [(L["qkv"][0], None if L["bias"] is None else L["bias"][0], L["o"][0], L["gu"][0],
+                     L["down"][0], L["attn_norm"][0], L["ffn_norm"][0],
+                     cfg.sliding_window if cfg.is_sliding(i) else 0) for i, L in enumerate(fused.layers)]
 
     def _rms(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
         """As engine.rms, on x [nl, D]."""
@@ -160,7 +164,7 @@ class FastDecoder:
         sum is its own partial, so the delayed term is exactly 0), and everything is a 1-D vector."""
         cfg, fw = self.cfg, self.fw
         hd, kvl, g, nq, nk, F = self.hd, self.kvl, self.g, self.nq, self.nk, self.F
-        D, eps, scale = cfg.hidden_size, self.eps, self.scale
+        D, eps, scale = cfg.hidden_size, float(cfg.norm_eps), self.scale
         qkv, gu, vec, t = self.qkv[0], self.gu[0], self.vec[0], self.tmp
         q = qkv[:nq].reshape(kvl, g, hd)
         k, v = qkv[nq:nq + nk].reshape(kvl, hd), qkv[nq + nk:].reshape(kvl, hd)
@@ -172,38 +176,37 @@ class FastDecoder:
         zqk = zqk.reshape(-1, hd // 2)
         S = pos + 1
         h = self.embed(np.asarray([token_id], dtype=np.int64)).astype(_F32)[0]
-        for i in range(cfg.num_hidden_layers):
-            L = fw.layers[i]
-            n = h * (_F32(1.0) / np.sqrt(np.dot(h, h) / _F32(D) + eps))
-            n *= L["attn_norm"][0]
-            np.matmul(L["qkv"][0], n, out=qkv)
-            if L["bias"] is not None:
-                qkv += L["bias"][0]
+        for c, (wqkv, bias, wo, wgu, wdown, g_attn, g_ffn, window) in zip(eng.caches, self.one):
+            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))       # rms: the scalar in float64
+            n *= g_attn
+            np.matmul(wqkv, n, out=qkv)
+            if bias is not None:
+                qkv += bias
             zqk *= rot                                # (x0 c - x1 s, x0 s + x1 c) per pair
-            c = eng.caches[i]
-            c.k[0, :, pos] = k
-            c.v[0, :, pos] = v
-            lo = max(0, S - cfg.sliding_window) if cfg.is_sliding(i) else 0
-            s = np.matmul(q, c.k[0, :, lo:S].transpose(0, 2, 1))             # [kvl, g, S']
+            K, V = c.k[0], c.v[0]
+            K[:, pos] = k
+            V[:, pos] = v
+            lo = max(0, S - window) if window else 0
+            s = np.matmul(q, K[:, lo:S].transpose(0, 2, 1))                # [kvl, g, S']
             s *= scale
             s -= s.max(axis=-1, keepdims=True)
             np.exp(s, out=s)
             s /= s.sum(axis=-1, keepdims=True)
-            att = np.matmul(s, c.v[0, :, lo:S])                             # [kvl, g, hd]
-            np.matmul(L["o"][0], att.reshape(nq), out=vec)
+            att = np.matmul(s, V[:, lo:S])                                  # [kvl, g, hd]
+            np.matmul(wo, att.reshape(nq), out=vec)
             h += vec
-            n = h * (_F32(1.0) / np.sqrt(np.dot(h, h) / _F32(D) + eps))
-            n *= L["ffn_norm"][0]
-            np.matmul(L["gu"][0], n, out=gu)
+            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
+            n *= g_ffn
+            np.matmul(wgu, n, out=gu)
             np.negative(gate, out=t)                  # gate / (1 + exp(-gate)) * up
             np.exp(t, out=t)
             t += _F32(1.0)
             np.divide(gate, t, out=t)
             t *= up
-            np.matmul(L["down"][0], t, out=vec)
+            np.matmul(wdown, t, out=vec)
             h += vec
         eng.pos = S
-        n = h * (_F32(1.0) / np.sqrt(np.dot(h, h) / _F32(D) + eps))
+        n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
         n *= fw.norm[0]
         return self._head(n)
 
