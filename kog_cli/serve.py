@@ -21,13 +21,19 @@ import subprocess
 import sys
 import time
 
-import uvicorn
-
 from kog_dist import protocol as P
 from launch.cli import LaunchError, build_command, detect, free_port
 
-from .gateway import MAX_BODY_BYTES, Gateway
 from .generate import _die_with_parent
+
+try:        # the `serve` extra (starlette, uvicorn); kog chat needs neither
+    import uvicorn
+
+    from .gateway import MAX_BODY_BYTES, Gateway
+except ImportError as _e:
+    uvicorn = Gateway = None
+    MAX_BODY_BYTES = 1 << 20
+    _MISSING = _e.name
 
 
 
@@ -148,7 +154,7 @@ def stop_ranks(proc: subprocess.Popen, grace_s: float = 15.0) -> int | None:
     return proc.poll()
 
 
-class _Server(uvicorn.Server):
+class _Server(uvicorn.Server if uvicorn is not None else object):
     """uvicorn without its own signal handling: kog serve decides what SIGINT/SIGTERM do."""
 
     @contextlib.contextmanager
@@ -229,6 +235,10 @@ async def _run(a, proc, control, sock) -> int:
 
 
 def main(argv=None) -> int:
+    if uvicorn is None:
+        print(f"kog serve: error: {_MISSING} is not installed: pip install 'kog_dist[serve]' "
+              f"(starlette and uvicorn)", file=sys.stderr)
+        return 2
     try:
         a = parser().parse_args(argv)
         check_args(a)
