@@ -26,7 +26,7 @@ from launch.cli import LaunchError, build_command, detect, free_port
 
 from .generate import _die_with_parent
 
-try:        # the `serve` extra (starlette, uvicorn); kog chat needs neither
+try:        # starlette and uvicorn: kog chat needs neither
     import uvicorn
 
     from .gateway import MAX_BODY_BYTES, Gateway
@@ -236,8 +236,8 @@ async def _run(a, proc, control, sock) -> int:
 
 def main(argv=None) -> int:
     if uvicorn is None:
-        print(f"kog serve: error: {_MISSING} is not installed: pip install 'kog_dist[serve]' "
-              f"(starlette and uvicorn)", file=sys.stderr)
+        print(f"kog serve: error: {_MISSING} is not installed (kog serve needs starlette and uvicorn: "
+              f"pip install starlette uvicorn)", file=sys.stderr)
         return 2
     try:
         a = parser().parse_args(argv)
