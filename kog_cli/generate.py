@@ -63,7 +63,7 @@ def run_under_mpiexec(a) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc), sys.exit(143)))
     try:
         rc = proc.wait()
-        if rc != 0:
+        if rc not in (0, 2):       # 2: the ranks said why in one line (bad input, a damaged file)
             how = f"killed by {signal.Signals(rc).name}" if 0 < rc < 32 and rc not in (1, 2) else f"exit {rc}"
             print(f"kog: error: the {a.nranks}-rank job failed ({how}): a rank died or was killed, "
                   f"and mpiexec ended the others", file=sys.stderr)

@@ -47,9 +47,13 @@ def log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    from .keeper import keep
-    keep()   # under MPICH's hydra the rank runs as a child of a keeper (workers/keeper.py says why)
     a = parser().parse_args(argv)
+    if not a.oneshot:   # a server's rank runs as a child of a keeper under MPICH's hydra, so that a rank
+        # dying of a signal reaches its clients (workers/keeper.py says why); a one-shot job has no
+        # clients, and there the keeper's extra hop lets hydra SIGKILL the ranks still leaving after
+        # an error (a "BAD TERMINATION" banner instead of the one-line error and exit 2)
+        from .keeper import keep
+        keep()
     try:
         rc = run(a)
     except KeyboardInterrupt:
