@@ -296,19 +296,21 @@ class _SSE:
                                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
         self.gw.metrics.request(self.endpoint, 200)
         watch = asyncio.ensure_future(_watch_disconnect(receive, self.req))
-        created, first, ttft = int(time.time()), True, None
+        created, first, ttft, tokens = int(time.time()), True, None, 0
         try:
             async for m in self.req:
                 kind = m.get("type")
                 if kind == "chunk":
                     more = self.req.ready_chunks()      # fell behind the decode: one event for all
                     text = m.get("text", "") + "".join(c.get("text", "") for c in more)
-                    if ttft is None and (m.get("token_ids") or more):
+                    tokens += len(m.get("token_ids", ())) + sum(len(c.get("token_ids", ())) for c in more)
+                    if ttft is None and tokens:
                         ttft = time.perf_counter() - self.t0
                     if first or text:
-                        await send(self._event(O.chunk_body(self.cid, created, self.model, self.chat, text,
-                                                            role=first)))
-                        first = False
+                        ev = O.chunk_body(self.cid, created, self.model, self.chat, text, role=first)
+                        ev["kog_tokens"] = tokens               # ids since the last event (the page's tokens/s)
+                        await send(self._event(ev))
+                        first, tokens = False, 0
                 elif kind == "result":
                     if first and self.chat:
                         await send(self._event(O.chunk_body(self.cid, created, self.model, True, "", role=True)))
