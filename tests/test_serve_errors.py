@@ -123,6 +123,18 @@ def test_disconnect_mid_stream_cancels_and_the_next_is_served_at_once(url, coord
     assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
     # the abandoned decode stopped within a few tokens of the disconnect (1 more for "next")
     assert after["tokens_generated"] - before["tokens_generated"] <= n + 6
+    # a client that gives up on a whole (non-streamed) answer is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "long", "max_tokens": 500}, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with Client(coord.endpoint, timeout=10) as c:
+            last = c.stats()
+        if last["requests"]["cancelled"] == after["requests"]["cancelled"] + 1:
+            break
+        time.sleep(0.05)
+    assert last["requests"]["cancelled"] == after["requests"]["cancelled"] + 1
+    assert last["tokens_generated"] - after["tokens_generated"] < 100      # not its 500 tokens
 
 
 def test_503_until_the_coordinator_answers(model):
