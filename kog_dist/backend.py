@@ -16,19 +16,21 @@ class RunCommand:
     max_new_tokens: int = 0            # 0: only append
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: tuple = ()
+    speculative: int = 0               # prompt-lookup draft tokens a verify pass at most (0: plain decode)
 
     def to_wire(self) -> dict:
         s = self.sampling
         return {"slot": self.slot, "keep": self.keep, "append": [int(i) for i in self.append],
                 "max_new_tokens": self.max_new_tokens, "stop_ids": [int(i) for i in self.stop_ids],
                 "temperature": float(s.temperature), "top_k": int(s.top_k), "top_p": float(s.top_p),
-                "seed": int(s.seed)}
+                "seed": int(s.seed), "speculative": int(self.speculative)}
 
     @classmethod
     def from_wire(cls, d: dict) -> "RunCommand":
         return cls(slot=d["slot"], keep=d["keep"], append=list(d["append"]),
                    max_new_tokens=d["max_new_tokens"], stop_ids=tuple(d["stop_ids"]),
-                   sampling=SamplingParams(d["temperature"], d["top_k"], d["top_p"], d["seed"]))
+                   sampling=SamplingParams(d["temperature"], d["top_k"], d["top_p"], d["seed"]),
+                   speculative=d.get("speculative", 0))
 
 
 @dataclass
@@ -40,6 +42,9 @@ class RunResult:
     first_token_ms: float = 0.0        # from the start of run to the first sampled token
     decode_ms: float = 0.0             # from the first sampled token to the last
     cached: int = 0                    # positions the slot's cache holds now
+    spec_steps: int = 0                # speculative decoding: verify passes,
+    spec_drafted: int = 0              # draft tokens proposed,
+    spec_accepted: int = 0             # and accepted
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -50,7 +55,9 @@ class RunResult:
         return {"prefill_tokens": self.prefill_tokens, "prefill_ms": round(self.prefill_ms, 3),
                 "ttft_ms": round(self.first_token_ms, 3), "decode_ms": round(self.decode_ms, 3),
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-                "new_tokens": len(self.token_ids), "stop_reason": self.stop_reason}
+                "new_tokens": len(self.token_ids), "stop_reason": self.stop_reason,
+                "spec_steps": self.spec_steps, "spec_drafted": self.spec_drafted,
+                "spec_accepted": self.spec_accepted}
 
 
 class Backend:

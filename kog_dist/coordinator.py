@@ -60,7 +60,8 @@ class Coordinator(Scheduler):
     def __init__(self, endpoint, executor, tokenizer, cfg, *, allow_remote=False, curve_keys=None,
                  queue_limit=8, session_ttl_s=600.0, session_ttl_max_s=600.0, max_sessions=256,
                  max_client_sessions=8, queue_share=None, probe_s=0.5, heartbeat_s=1.0, peer_check_s=0.25,
-                 shutdown_grace_s=0.0, handle_signals=True, max_frame_bytes=P.MAX_FRAME_BYTES, log=None):
+                 shutdown_grace_s=0.0, handle_signals=True, max_frame_bytes=P.MAX_FRAME_BYTES, log=None,
+                 speculative=0):
         if isinstance(curve_keys, (tuple, list)):
             curve_keys = CurveKeys(*curve_keys)
         check_endpoint(endpoint, allow_remote, curve_keys)
@@ -71,7 +72,7 @@ class Coordinator(Scheduler):
         self.log = log or (lambda msg: print(f"[coordinator] {msg}", file=sys.stderr, flush=True))
         self._init_book(executor, tokenizer, cfg, queue_limit=queue_limit, session_ttl_s=session_ttl_s,
                         max_sessions=max_sessions, max_client_sessions=max_client_sessions,
-                        session_ttl_max_s=session_ttl_max_s, queue_share=queue_share)
+                        session_ttl_max_s=session_ttl_max_s, queue_share=queue_share, speculative=speculative)
         self.peer_check_s, self._next_peer_check = peer_check_s, 0.0
         self.secret_path = self.secret = None
         self.done_events = collections.deque()      # ("done", req, result) | ("failed", req, exc)

@@ -13,6 +13,7 @@ import math
 import msgpack
 
 from .sampling import MAX_TEMPERATURE, MAX_TOP_K
+from .speculative import MAX_DRAFT
 
 VERSION = 1
 MAX_FRAME_BYTES = 1 << 20          # a request frame larger than this gets a `too_large` error
@@ -190,6 +191,23 @@ def _generate(msg, out):
                                            f"strings of 1..{MAX_STOP_LEN} characters, got {_show(stop)}")
     out["stop"] = stop
     out["stop_ids"] = _ids(msg, "stop_ids", MAX_STOP_IDS) if "stop_ids" in msg else []
+    if "speculative" in msg:
+        out["speculative"] = _speculative(msg["speculative"])
+
+
+def _speculative(v) -> int:
+    """`speculative`: false / nil (off), true (k = 8), or {"method": "prompt_lookup", "k": 0..8}; the
+    draft length k, 0 = off."""
+    if v is None or v is False:
+        return 0
+    if v is True:
+        return MAX_DRAFT
+    if isinstance(v, dict) and set(v) <= {"method", "k"} and v.get("method", "prompt_lookup") == "prompt_lookup":
+        k = v.get("k", MAX_DRAFT)
+        if _is_int(k) and 0 <= k <= MAX_DRAFT:
+            return int(k)
+    raise ProtocolError("bad_request", f"speculative must be true, false or {{\"method\": \"prompt_lookup\", "
+                                       f"\"k\": 0..{MAX_DRAFT}}}, got {_show(v)}")
 
 
 def _append(msg, out):
@@ -213,7 +231,7 @@ OPS = {
     "stats": ((), None),
     "shutdown": (("secret",), lambda m, o: o.update(secret=_str(m, "secret", MAX_SECRET)) if "secret" in m else None),
     "generate": (("prompt", "prompt_ids", "messages", "add_bos", "session", "max_new_tokens", "temperature",
-                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner"), _generate),
+                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative"), _generate),
     "open": (("ttl_s", "owner"), _open),
     "append": (("session", "prompt", "prompt_ids", "add_bos", "owner"), _append),
     "close": (("session", "owner"), lambda m, o: _session(m, o, required=True)),

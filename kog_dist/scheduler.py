@@ -100,7 +100,8 @@ class Scheduler:
     """Queue, sessions and slot table of one executor; mixed into ``Coordinator``."""
 
     def _init_book(self, executor, tokenizer, cfg, *, queue_limit, session_ttl_s, max_sessions,
-                   max_client_sessions=8, session_ttl_max_s=600.0, queue_share=None):
+                   max_client_sessions=8, session_ttl_max_s=600.0, queue_share=None, speculative=0):
+        self.speculative = int(speculative)      # the server's draft length for requests that do not say
         self.session_ttl_max_s = float(session_ttl_max_s)
         self.queue_limit, self.session_ttl_s = int(queue_limit), min(float(session_ttl_s), self.session_ttl_max_s)
         self.max_sessions, self.max_client_sessions = max_sessions, int(max_client_sessions)
@@ -257,7 +258,7 @@ class Scheduler:
                 continue
             self.slots[r.slot].tokens = ctx[:r.keep]
             cmd = _make_command(slot=r.slot, keep=r.keep, append=ctx[r.keep:], max_new_tokens=max_new,
-                                params=r.params, stop_ids=stop_ids)
+                                params=r.params, stop_ids=stop_ids, speculative=self.speculative)
             self._submit(r, cmd)
         self._send_positions()
 
@@ -325,7 +326,8 @@ class Scheduler:
               "ttft_ms": (r.t_first - r.t_start) * 1000 if n else 0.0, "decode_ms": decode_ms,
               "decode_tokens_per_s": (n - 1) * 1000 / decode_ms if n > 1 and decode_ms > 0 else 0.0,
               "queue_ms": (r.t_start - r.t_accept) * 1000, "total_ms": (now - r.t_accept) * 1000,
-              "slot": r.slot, "evicted": r.evicted}
+              "slot": r.slot, "evicted": r.evicted,
+              **{k: int(getattr(res, k, 0)) for k in ("spec_steps", "spec_drafted", "spec_accepted")}}
         self._record(st, reason)
         if r.params.get("stream") and not r.gone:
             rest = text[len(r.sent_text):] if text.startswith(r.sent_text) else ""
@@ -345,6 +347,8 @@ class Scheduler:
         c["tokens_generated"] += st["new_tokens"]
         c["prefill_tokens"] += st["prefill_tokens"]
         c["reused_tokens"] += st["reused_tokens"]
+        for k in ("spec_steps", "spec_drafted", "spec_accepted"):
+            c[k] += st.get(k, 0)
         if st["prefill_tokens"]:
             self.hist["prefill_ms"].append(st["prefill_ms"])
         if st["new_tokens"]:
@@ -377,6 +381,8 @@ class Scheduler:
                                                "disconnected", "dropped", "internal_errors")},
                 "tokens_generated": c["tokens_generated"], "prefill_tokens": c["prefill_tokens"],
                 "reused_tokens": c["reused_tokens"],
+                "speculative": {"steps": c["spec_steps"], "drafted": c["spec_drafted"],
+                                "accepted": c["spec_accepted"]},
                 **{k: _pct(v) for k, v in self.hist.items()},
                 "queue_length": len(self.queue), "queue_limit": self.queue_limit,
                 "active": self.active.rid if self.active else None,
@@ -411,10 +417,11 @@ def _encode(tokenizer, text):
         return ids[1:] if ids and ids[0] == getattr(tokenizer, "bos_id", None) else ids
 
 
-def _make_command(*, slot, keep, append, max_new_tokens, params, stop_ids):
+def _make_command(*, slot, keep, append, max_new_tokens, params, stop_ids, speculative=0):
     from .backend import RunCommand
     from kog_dist.sampling import SamplingParams
     sp = SamplingParams(temperature=params.get("temperature", 0.0), top_k=params.get("top_k", 0),
                         top_p=params.get("top_p", 1.0), seed=params.get("seed", 0))
     return RunCommand(slot=slot, keep=keep, append=list(append), max_new_tokens=max_new_tokens,
-                      sampling=sp, stop_ids=tuple(stop_ids))
+                      sampling=sp, stop_ids=tuple(stop_ids),
+                      speculative=int(params.get("speculative", speculative)))

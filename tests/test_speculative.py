@@ -99,3 +99,55 @@ def test_spec_params_ranges():
     for bad in (dict(k=9), dict(k=-1), dict(k=True), dict(method="medusa"), dict(ngram=0)):
         with pytest.raises(ValueError):
             SpecParams(**bad).validate()
+
+
+# ---- the cpu backend: speculative runs give the plain runs' ids, stop rules included ---------------
+from kog_dist.backend import RunCommand  # noqa: E402
+from kog_dist.protocol import ProtocolError, parse_request  # noqa: E402
+from workers.cpu_backend import CpuBackend  # noqa: E402
+
+
+def backend(m):
+    return CpuBackend(m.cfg, m.weights, m.embed, num_slots=2)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)])
+def test_backend_ids_equal_with_and_without_speculation(model, params):
+    b = backend(model)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
+    plain_run = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=48, sampling=params))
+    spec_run = b.run(RunCommand(slot=1, append=prompt, max_new_tokens=48, sampling=params, speculative=8))
+    assert spec_run.token_ids == plain_run.token_ids
+    assert spec_run.stop_reason == plain_run.stop_reason and spec_run.cached == plain_run.cached
+    assert spec_run.spec_steps > 0 and spec_run.spec_accepted <= spec_run.spec_drafted
+    # the slot's cache is the plain one's: a continuation from it gives the same ids again
+    more = [9, 1]
+    a = b.run(RunCommand(slot=0, keep=plain_run.cached, append=more, max_new_tokens=12, sampling=params))
+    c = b.run(RunCommand(slot=1, keep=spec_run.cached, append=more, max_new_tokens=12, sampling=params))
+    assert a.token_ids == c.token_ids
+
+
+def test_backend_stops_inside_an_accepted_draft(model):
+    """A stop id, and max_new_tokens, that fall in the middle of a verify pass's accepted drafts."""
+    b = backend(model)
+    prompt = [1, 2]
+    first = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=30)).token_ids
+    loop = prompt + first                                    # the model's own text: drafts accepted
+    want = b.run(RunCommand(slot=0, append=loop, max_new_tokens=30)).token_ids
+    for n in (1, 2, 5, 13):
+        got = b.run(RunCommand(slot=1, append=loop, max_new_tokens=n, speculative=8))
+        assert got.token_ids == want[:n] and got.stop_reason == "length" and got.cached == len(loop) + n - 1
+    stop = want[7]
+    got = b.run(RunCommand(slot=1, append=loop, max_new_tokens=30, speculative=8, stop_ids=(stop,)))
+    assert got.token_ids == want[:want.index(stop) + 1] and got.stop_reason == "stop"
+
+
+def test_protocol_speculative_field():
+    base = {"v": 1, "op": "generate", "prompt_ids": [1, 2]}
+    assert parse_request(dict(base, speculative=True))["speculative"] == 8
+    assert parse_request(dict(base, speculative={"method": "prompt_lookup", "k": 3}))["speculative"] == 3
+    assert parse_request(dict(base, speculative=False))["speculative"] == 0
+    assert "speculative" not in parse_request(base)                 # the server's default applies
+    for bad in ({"k": 9}, {"method": "eagle"}, {"k": "4"}, 4, "yes"):
+        with pytest.raises(ProtocolError):
+            parse_request(dict(base, speculative=bad))

@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
                    help="CPU/memory binding from the placement plan (default: cores)")
     p.add_argument("--slots", type=int, default=4, help="KV caches kept for sessions")
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the active one")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="prompt-lookup speculative decoding with up to K draft tokens (0..8) for requests "
+                        "that do not say (default 0: off)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session expires")
     p.add_argument("--session-ttl-max", type=float, default=600.0,
                    help="the longest ttl_s a client may ask for (default 600 s)")
@@ -276,9 +279,12 @@ def _serve(a, src, cfg, backend, comm, hb=None) -> int:
     from .rank import RankGroup
     group = RankGroup(backend, comm, heartbeat=hb)
     keys = (a.curve_server_key, a.curve_clients) if a.curve_server_key else None
+    if not 0 <= a.speculative <= 8:
+        raise ValueError(f"--speculative must be 0..8 draft tokens, got {a.speculative}")
     try:
         coord = Coordinator(a.control, group, load_tokenizer(src), cfg, allow_remote=a.allow_remote,
                             curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl,
+                            speculative=a.speculative,
                             session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions,
                             queue_share=a.client_queue)
         coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve

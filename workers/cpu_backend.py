@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from kog_dist.engine import ReferenceEngine
 from kog_dist.sampling import sample
+from kog_dist.speculative import AdaptiveDraft
+from kog_dist.speculative import step as spec_step
 
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
@@ -48,9 +50,13 @@ class CpuBackend(Backend):
         held += [int(t) for t in feed]
         res.prefill_ms = clock.ms()
         stop = (set() if ignore_eos else set(self.cfg.eos_token_ids)) | set(cmd.stop_ids)
+        drafts = AdaptiveDraft(cmd.speculative) if cmd.speculative > 0 else None
         t_first = None
-        while len(res.token_ids) < cmd.max_new_tokens:
-            tok = sample(logits, cmd.sampling, counter=len(held))
+        ahead = [] if cmd.max_new_tokens == 0 else [sample(logits, cmd.sampling, counter=len(held))]
+        while ahead:
+            # ahead: tokens drawn but not yet given out; all but the last of a verify pass are accepted
+            # drafts, whose keys and values the cache already holds
+            tok = ahead.pop(0)
             res.token_ids.append(tok)
             now = clock.ms()
             if t_first is None:
@@ -66,10 +72,26 @@ class CpuBackend(Backend):
             if len(res.token_ids) == cmd.max_new_tokens or len(held) + 1 > self.max_seq:
                 res.stop_reason = "length"
                 break
+            if ahead:
+                held.append(tok)
+                continue
+            k = min(drafts.size(), cmd.max_new_tokens - len(res.token_ids) - 1,
+                    self.max_seq - len(held) - 1) if drafts else 0
+            if k > 0:   # one pass over tok and up to k drafts copied from the context
+                toks, drafted, accepted = spec_step(eng, tok, held + [tok], cmd.sampling, k)
+                drafts.update(drafted, accepted)
+                res.spec_steps += 1
+                res.spec_drafted += drafted
+                res.spec_accepted += accepted
+                held.append(tok)
+                ahead = toks
+                continue
             logits = self.decoder.step(eng, tok) if self.decoder else eng.step(tok)
             held.append(tok)
-        else:
+            ahead = [sample(logits, cmd.sampling, counter=len(held))]
+        if not res.token_ids and cmd.max_new_tokens == 0:
             res.stop_reason = "none"
+        eng.truncate(len(held))        # drafts accepted past a stop are not context
         self.tokens[cmd.slot] = held
         res.cached = len(held)
         return res
