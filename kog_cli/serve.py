@@ -29,9 +29,9 @@ from .generate import _die_with_parent
 try:        # starlette and uvicorn: kog chat needs neither
     import uvicorn
 
-    from .gateway import MAX_BODY_BYTES, Gateway
+    from .gateway import MAX_BODY_BYTES, Gateway, served_name
 except ImportError as _e:
-    uvicorn = Gateway = None
+    uvicorn = Gateway = served_name = None
     MAX_BODY_BYTES = 1 << 20
     _MISSING = _e.name
 
@@ -172,9 +172,7 @@ def _say(msg: str) -> None:
 def _name(a) -> str | None:
     if a.served_model_name:
         return a.served_model_name
-    if a.model:
-        return os.path.splitext(os.path.basename(os.path.normpath(a.model)))[0]
-    return None
+    return served_name(a.model) if a.model else None
 
 
 async def _run(a, proc, control, sock) -> int:

@@ -67,11 +67,21 @@ class Proc:
                                      text=True, env=env or ENV, cwd=REPO_ROOT)
         self.out, self.err = _Lines(self.proc.stdout), _Lines(self.proc.stderr)
 
+    def wait(self, timeout=30.0) -> int:
+        """The exit status, once the output is read to its end."""
+        rc = self.proc.wait(timeout)
+        self.out.join(5)
+        self.err.join(5)
+        return rc
+
     def stop(self, sig=signal.SIGTERM, timeout=20.0):
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            rc = self.proc.wait(timeout)
+            self.out.join(5)                   # its last lines are read too
+            self.err.join(5)
+            return rc
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer, models
 
+from kog_cli.gateway import served_name
 from kog_dist import protocol as P
 from kog_dist.client import Client
 from kog_dist.scheduler import _encode_chat
@@ -172,12 +173,12 @@ def test_rank_death_gives_503_then_exit_1_and_sigterm_is_clean(model):
         assert _post(s.url, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
         (rank,) = s.rank_pids()
         os.kill(rank, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while httpx.get(s.url + "/health").status_code == 200 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 5       # (a dropped connection may show as "down" first)
+        while httpx.get(s.url + "/health").json()["status"] != "failed" and time.monotonic() < deadline:
             time.sleep(0.05)
         e = _err(_post(s.url, "/v1/completions", {"prompt": "x"}), 503)
         assert e["code"] == "failed" and "exited" in e["message"]
-        assert s.proc.wait(15) == 1
+        assert s.wait(15) == 1
     s2 = Serve("--model", model, "--backend", "cpu")
     assert s2.rank_pids()
     assert s2.stop(signal.SIGTERM) == 0 and "SIGTERM: stopping" in s2.err.text()
@@ -187,14 +188,14 @@ def test_rank_death_gives_503_then_exit_1_and_sigterm_is_clean(model):
 
 def test_api_key_and_non_loopback_host(model, coord):
     out = Proc(kog("serve", "--connect", coord.endpoint, "--host", "0.0.0.0", "--port", "0"))
-    assert out.proc.wait(30) == 2
+    assert out.wait(30) == 2
     err = out.err.text().strip().splitlines()
     assert len(err) == 1 and "--api-key" in err[0] and "Traceback" not in out.err.text()
     with socket.socket() as taken:                 # a busy port: one line, exit 2, no rank started
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         out = Proc(kog("serve", "--model", model, "--port", str(taken.getsockname()[1])))
-        assert out.proc.wait(30) == 2
+        assert out.wait(30) == 2
         assert "cannot listen on" in out.err.text() and len(out.err.text().strip().splitlines()) == 1
     with Serve("--connect", coord.endpoint, "--api-key", "s3cret") as s:
         body = {"prompt": "x", "max_tokens": 1}
@@ -223,3 +224,9 @@ def test_protocol_messages_field():
                       eos_ids=[], add_bos=False, chat_template="{{ raise_exception('only user turns') }}")
     with pytest.raises(ValueError, match="only user turns"):
         _encode_chat(tok, [{"role": "system", "content": "a"}])
+
+
+def test_served_model_names():
+    assert served_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_name("/models/qwen2.5-0.5b/") == "qwen2.5-0.5b"     # a directory keeps its dots
+    assert served_name("tiny-random") == "tiny-random"

@@ -30,6 +30,13 @@ STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 MAX_BODY_BYTES = 1 << 20      # the coordinator takes frames up to 1 MiB; larger bodies get 413 here
 
 
+def served_name(model: str) -> str:
+    """The id clients use for a model path or name: its last part, without a .gguf suffix (not any
+    suffix: qwen2.5-0.5b keeps its dots)."""
+    base = os.path.basename(os.path.normpath(model)) or model
+    return base[:-5] if base.lower().endswith(".gguf") else base
+
+
 def _json(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -108,7 +115,7 @@ class Gateway:
                 if self.state != "failed":
                     self.state = "ok" if h.get("status") == "ok" else "down"
                 if self.model_name is None and h.get("model"):
-                    self.model_name = os.path.splitext(str(h["model"]))[0]
+                    self.model_name = served_name(str(h["model"]))
                 if self.state == "ok":
                     self.ready.set()
             await asyncio.sleep(self.health_every_s if self.state == "ok" else 0.2)
