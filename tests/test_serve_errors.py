@@ -168,6 +168,7 @@ def test_503_until_the_coordinator_answers(model):
 
 
 def test_rank_death_gives_503_then_exit_1_and_sigterm_is_clean(model):
+    """One rank SIGKILLed: 503, then exit 1. Two ranks under mpiexec: SIGTERM, exit 0, nothing left."""
     before = shm_names()
     with Serve("--model", model, "--backend", "cpu", "--failure-linger-s", "1") as s:
         assert _post(s.url, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
@@ -179,8 +180,9 @@ def test_rank_death_gives_503_then_exit_1_and_sigterm_is_clean(model):
         e = _err(_post(s.url, "/v1/completions", {"prompt": "x"}), 503)
         assert e["code"] == "failed" and "exited" in e["message"]
         assert s.wait(15) == 1
-    s2 = Serve("--model", model, "--backend", "cpu")
+    s2 = Serve("--model", model, "--backend", "cpu", "--np", "2", "--bind", "none")    # under mpiexec
     assert s2.rank_pids()
+    assert _post(s2.url, "/v1/completions", {"prompt": "x", "max_tokens": 3}).json()["usage"]["completion_tokens"] == 3
     assert s2.stop(signal.SIGTERM) == 0 and "SIGTERM: stopping" in s2.err.text()
     assert not s2.rank_pids()
     assert not {n for n in shm_names() - before if n.startswith(("kccl", "mpich"))}
