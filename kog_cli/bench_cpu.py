@@ -6,8 +6,8 @@ there is no GPU (CI, Slurm test clusters, a laptop).
 `--model` takes what open_model takes (a GGUF file, an HF or Laneformer directory) or a built-in name.
 Rows: load (open + dequantize + fuse, from a warm page cache), pp<N> (time to first token of an N-token
 prompt), tg<G>@<P> (greedy decode, median of --reps runs) once per BLAS thread setting of the decoder
-("1": one thread; "1/2": two for the LM head only; "2": two everywhere, where the machine has 2 cores),
-and the same decode on llama.cpp (llama-cpp-python) on the same GGUF file when it is importable. GB/s is
+("1", "2" where there are 2 cores, and "auto", the backend's own: the faster of the two, chosen from the
+step times as it decodes), and the same decode on llama.cpp (llama-cpp-python) on the same GGUF file when it is importable. GB/s is
 the bytes each engine streams per token times tokens/s: float32 weights for ours (every matrix but the
 embedding table, which is read a row at a time, plus the tied LM head), the file's own tensors for
 llama.cpp; the fraction is of a large one-thread numpy copy measured in the same run.
@@ -33,15 +33,12 @@ def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2.0 * a.nbytes / statistics.median(times[1:])
 
 
-def thread_settings(cores: int) -> list[tuple[int, int]]:
-    """(layer GEMV threads, LM head threads) to measure: one thread, then more for the head, then
-    more everywhere, up to the cores there are (at most 2: the GEMVs are memory bound)."""
-    n = min(2, cores)
-    return [(1, 1)] + ([(1, n), (n, n)] if n > 1 else [])
-
-
-def _name(t: tuple[int, int]) -> str:
-    return str(t[0]) if t[0] == t[1] else f"{t[0]}/{t[1]}"
+def thread_settings(cores: int, blas_known: bool) -> list:
+    """The decoder's BLAS thread settings to measure: fixed counts (up to 2: the GEMVs are memory bound),
+    then "auto" where there is a choice to make."""
+    if not blas_known:
+        return [None]
+    return [1] + ([2, "auto"] if cores > 1 else [])
 
 
 def run(args, say) -> dict:
@@ -84,23 +81,27 @@ def run(args, say) -> dict:
            "load_s": load_s, "streamed_bytes_per_token": streamed, "blas_threads": blas_threads()}
     prompt = ids(args.prompt)
     default, rows = backend.decoder, []
-    settings = thread_settings(os.cpu_count() or 1) if blas_threads() else [None]
+    mine = "auto" if default.chooser else str(default.threads)
+    settings = thread_settings(os.cpu_count() or 1, blas_threads() is not None)
     for t in settings:
         if t is not None:
-            backend.decoder = FastDecoder(cfg, default.fw, default.embed, *t)
+            backend.decoder = FastDecoder(cfg, default.fw, default.embed, threads=t)
+        name = mine if t is None else str(t)
         go(prompt, min(args.gen, 8))                         # warm: caches grown, pages touched
         runs = [go(prompt, args.gen) for _ in range(args.reps)]
         tps = [r.decode_tokens_per_s for r in runs]
         med = statistics.median(tps)
-        rows.append({"threads": _name(t) if t else "?", "prompt": args.prompt, "gen": len(runs[0].token_ids),
-                     "tokens_per_s": med, "runs_tokens_per_s": tps, "ms_per_token": 1e3 / med if med else 0.0,
-                     "GB_per_s": med * streamed / 1e9, "fraction_of_copy_bw": med * streamed / bw,
-                     "ids_head": runs[0].token_ids[:16]})
-        say(f"tg{args.gen} threads {rows[-1]['threads']}: {med:.1f} tokens/s, runs {[round(x, 1) for x in tps]}")
+        row = {"threads": name, "prompt": args.prompt, "gen": len(runs[0].token_ids),
+               "tokens_per_s": med, "runs_tokens_per_s": tps, "ms_per_token": 1e3 / med if med else 0.0,
+               "GB_per_s": med * streamed / 1e9, "fraction_of_copy_bw": med * streamed / bw,
+               "ids_head": runs[0].token_ids[:16]}
+        if backend.decoder.chooser:
+            row["steps_per_thread_count"] = {str(k): v for k, v in backend.decoder.chooser.runs.items()}
+        rows.append(row)
+        say(f"tg{args.gen} threads {name}: {med:.1f} tokens/s, runs {[round(x, 1) for x in tps]}")
     backend.decoder = default
     out["tg_threads"] = rows
-    mine = _name((default.layer_threads, default.head_threads)) if default.layer_threads else "?"
-    out["tg"] = next((x for x in rows if x["threads"] == mine), rows[0])    # the backend's own setting
+    out["tg"] = next((x for x in rows if x["threads"] == mine), rows[-1])    # the backend's own setting
     out["default_threads"] = mine
     backend.close()
     baselines = []
@@ -131,7 +132,7 @@ def llama_cpp_rows(path, prompt, gen, reps, settings, bw, say) -> list[dict]:
         return [{"mode": "llama.cpp", "error": "llama-cpp-python is not importable (pip install llama-cpp-python)"}]
     nbytes = gguf_streamed_bytes(path)
     rows = []
-    for n in sorted({t[1] for t in settings if t} or {1}):
+    for n in sorted({t for t in settings if isinstance(t, int)} or {1}):
         try:
             llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + gen + 8, n_threads=n, n_threads_batch=n,
                                   n_batch=max(8, len(prompt)), verbose=False)
@@ -187,7 +188,10 @@ def table(r: dict) -> str:
     rows.append(("cpu (numpy)", str(mk.get("blas_threads") or "?"), f"pp{pp['prompt']}",
                  f"{pp['tokens_per_s']:.0f}", f"TTFT {pp['ttft_ms']:.2f} ms", "", ""))
     for x in mk.get("tg_threads") or [mk["tg"]]:
-        rows.append(("cpu (numpy)", x.get("threads", "?"), f"tg{x['gen']} @ {x['prompt']}",
+        th = x.get("threads", "?")
+        if x.get("steps_per_thread_count"):
+            th += " (" + ", ".join(f"{k}t: {v}" for k, v in x["steps_per_thread_count"].items()) + " steps)"
+        rows.append(("cpu (numpy)", th, f"tg{x['gen']} @ {x['prompt']}",
                      f"{x['tokens_per_s']:.1f}", f"{x['ms_per_token']:.3f} ms/tok", f"{x['GB_per_s']:.1f}",
                      f"{100 * x['fraction_of_copy_bw']:.1f}%"))
     for b in r["baselines"]:

@@ -19,7 +19,7 @@ from kog_dist.models import default_gguf_path
 from kog_dist.sampling import SamplingParams
 from kog_dist.tokenizer import load_tokenizer
 from workers.cpu_backend import CpuBackend
-from workers.cpu_decode import FastDecoder, FusedWeights
+from workers.cpu_decode import FastDecoder, FusedWeights, ThreadChooser
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -200,3 +200,23 @@ def test_bench_cpu_on_a_gguf_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kog_cli", "bench", "--backend", "cpu", "--model",
                         str(tmp_path / "none.gguf")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "none.gguf" in r.stderr, r.stderr
+
+
+def test_thread_chooser_follows_the_faster_count():
+    """Tries each count once, runs the faster, re-tries the other every `explore` steps, and moves over
+    when the times turn (another process took a core)."""
+    tc = ThreadChooser([1, 2], explore=4)
+    cost = {1: 0.020, 2: 0.014}
+    picks = []
+    for _ in range(16):
+        n = tc.pick()
+        picks.append(n)
+        tc.record(n, cost[n])
+    assert picks[:2] == [1, 2] and picks.count(1) == 1 + 4, picks      # explored at steps 4, 8, 12, 16
+    cost = {1: 0.020, 2: 0.080}           # contention: two threads now lose
+    later = []
+    for _ in range(16):
+        n = tc.pick()
+        later.append(n)
+        tc.record(n, cost[n])
+    assert later[-8:].count(1) >= 6 and tc.runs[1] + tc.runs[2] == 32, later

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 from collections import deque
 
 import numpy as np
@@ -27,7 +28,7 @@ _F32 = np.float32
 
 def _find_openblas():
     """(set, get) of the OpenBLAS thread count numpy runs on, or None (another BLAS, not Linux): the
-    decoder can then give the LM head more threads than the small per-layer GEMVs."""
+    decoder sets its own count per step and gives the process's back after it."""
     try:
         with open("/proc/self/maps") as f:
             paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and ".so" in ln}
@@ -58,6 +59,33 @@ def blas_threads() -> int | None:
 def set_blas_threads(n: int) -> None:
     if _BLAS and n >= 1:
         _BLAS[0](int(n))
+
+
+class ThreadChooser:
+    """Picks a BLAS thread count per decode step from the step times seen so far: each choice is tried
+    once, then the one with the lower moving average of its step time runs, and every `explore`-th step
+    tries the other again (contention on the cores comes and goes)."""
+
+    def __init__(self, choices: list[int], explore: int = 24, weight: float = 0.5):
+        self.choices = list(dict.fromkeys(choices))
+        self.avg: dict[int, float] = {}
+        self.runs = {c: 0 for c in self.choices}      # steps run with each (reports)
+        self.explore, self.weight, self.steps = explore, weight, 0
+
+    def pick(self) -> int:
+        self.steps += 1
+        untried = [c for c in self.choices if c not in self.avg]
+        if untried:
+            return untried[0]
+        ranked = sorted(self.choices, key=self.avg.__getitem__)
+        if len(ranked) > 1 and self.steps % self.explore == 0:
+            return ranked[1 + (self.steps // self.explore) % (len(ranked) - 1)]
+        return ranked[0]
+
+    def record(self, choice: int, seconds: float) -> None:
+        self.runs[choice] += 1
+        old = self.avg.get(choice)
+        self.avg[choice] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
 
 class FusedWeights:
@@ -105,14 +133,19 @@ class FastDecoder:
     """`step(engine, token_id) -> logits [V]`: what `engine.step(token_id)` returns (within float32
     rounding of a different summation order), advancing the engine's cache and position the same way."""
 
-    def __init__(self, cfg, fused: FusedWeights, embed, layer_threads: int | None = None,
-                 head_threads: int | None = None):
-        """layer_threads / head_threads: BLAS threads for the per-layer GEMVs and for the LM head
-        (None: whatever the process has, e.g. OPENBLAS_NUM_THREADS)."""
+    def __init__(self, cfg, fused: FusedWeights, embed, threads: int | str | None = "auto"):
+        """threads: BLAS threads of the step's GEMVs; None: the process's (OPENBLAS_NUM_THREADS);
+        "auto": the faster of one thread and the process's count, chosen from the steps' own times
+        (ThreadChooser), as two threads win on an idle 2-core machine and lose badly when other
+        processes hold a core."""
         nl = fused.layers[0]["qkv"].shape[0]          # the local lanes
         self.base_threads = blas_threads()             # restored after each step (prefill runs on it)
-        self.layer_threads = layer_threads or self.base_threads
-        self.head_threads = head_threads or self.base_threads
+        self.chooser = None
+        if threads == "auto":
+            if self.base_threads and self.base_threads > 1:
+                self.chooser = ThreadChooser([1, min(2, self.base_threads)])
+            threads = None
+        self.threads = threads or self.base_threads
         self.cfg, self.fw, self.embed, self.nl = cfg, fused, embed, nl
         hd, hl, kvl = cfg.head_dim, cfg.heads_per_lane, cfg.kv_heads_per_lane
         self.hd, self.hl, self.kvl, self.g = hd, hl, kvl, hl // kvl
@@ -143,21 +176,20 @@ class FastDecoder:
             raise ValueError(f"context of {pos + 1} tokens exceeds the limit of {eng.max_seq}")
         for c in eng.caches:
             c.ensure(pos + 1)
-        own = self.layer_threads != self.base_threads or self.head_threads != self.base_threads
+        n = self.chooser.pick() if self.chooser else self.threads
+        own = n != self.base_threads
         if own:
-            set_blas_threads(self.layer_threads)
+            set_blas_threads(n)
+        t0 = time.perf_counter()
         try:
             if self.cfg.num_lanes == 1:
                 return self._step_one(eng, token_id, pos)
             return self._step_lanes(eng, token_id, pos)
         finally:
+            if self.chooser:
+                self.chooser.record(n, time.perf_counter() - t0)
             if own:
                 set_blas_threads(self.base_threads)
-
-    def _head(self, y: np.ndarray) -> np.ndarray:
-        if self.head_threads != self.layer_threads:
-            set_blas_threads(self.head_threads)
-        return np.matmul(self.fw.head, y)
 
     def _step_one(self, eng, token_id: int, pos: int) -> np.ndarray:
         """One lane in all (a Llama-family model): the combine rule is the plain residual (one lane's
@@ -208,7 +240,7 @@ class FastDecoder:
         eng.pos = S
         n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
         n *= fw.norm[0]
-        return self._head(n)
+        return np.matmul(fw.head, n)
 
     def _step_lanes(self, eng, token_id: int, pos: int) -> np.ndarray:
         cfg, fw, nl = self.cfg, self.fw, self.nl
@@ -258,7 +290,7 @@ class FastDecoder:
         eng.pos = pos + 1
         y_local = self._rms(h, fw.norm).sum(axis=0, keepdims=True)            # [1, D]
         y = ex.allreduce("final", y_local) / _F32(cfg.num_lanes)
-        return self._head(y[0])
+        return np.matmul(fw.head, y[0])
 
     def _combine(self, ex, kind: str, i: int, part: np.ndarray, pending: dict) -> np.ndarray:
         """engine._combine on part [nl, D] (a buffer reused by the next GEMV: what is kept is copied)."""
