@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", type=int, default=None)
     p.add_argument("--slots", type=int, default=4, help="KV caches (prefix reuse between requests)")
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the running one (429 after)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="prompt-lookup speculative decoding with up to K (0..8) draft tokens for requests that do "
+                        "not say (default 0: off; a request's \"speculative\" field overrides)")
     p.add_argument("--bind", choices=("none", "cores", "numa"), default=None,
                    help="rank CPU binding (default: none for --np 1, cores otherwise)")
     p.add_argument("--failure-linger-s", type=float, default=5.0,
@@ -121,7 +124,7 @@ def listen(host: str, port: int) -> socket.socket:
 def rank_command(a, control: str) -> list[str]:
     cmd = [sys.executable, "-m", "workers", "--control", control, "--backend", a.backend,
            "--bind", a.bind or ("none" if a.nranks == 1 else "cores"), "--slots", str(a.slots),
-           "--queue-limit", str(a.queue_limit)]
+           "--queue-limit", str(a.queue_limit), "--speculative", str(a.speculative)]
     if a.model:
         cmd += ["--model", a.model]
     if a.max_seq:

@@ -129,6 +129,25 @@ def test_metrics_count_requests(server, client):
     assert "kog_time_to_first_token_seconds_bucket" in text and "kog_queue_depth 0" in text
 
 
+def test_speculative_extension_keeps_the_greedy_text(server, client):
+    """`speculative` (our extension of the body) gives the same greedy text; its accepted drafts are
+    in the stats and in /metrics."""
+    prompt = "abcabcabcabcabcabc"
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+    spec = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={"speculative": {"method": "prompt_lookup", "k": 8}})
+    assert spec.choices[0].text == plain.choices[0].text
+    st = spec.model_extra["kog_stats"]
+    assert st["spec_steps"] > 0 and 0 <= st["spec_accepted"] <= st["spec_drafted"]
+    text = httpx.get(server.url + "/metrics").text
+    drafted = int(next(line.split()[1] for line in text.splitlines()
+                       if line.startswith("kog_speculative_draft_tokens_total")))
+    assert drafted >= st["spec_drafted"] > 0
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
+                                                         "speculative": {"k": 99}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
+
+
 @pytest.mark.skipif(not os.path.isfile(SMOL_GGUF), reason=f"{SMOL_GGUF} is absent (CI fetches it once)")
 def test_smollm2_answers_through_the_chat_template():
     try:

@@ -38,6 +38,7 @@ class Metrics:
         self.tokens = 0
         self.prompt_tokens = 0
         self.reused_tokens = 0
+        self.spec_drafted = self.spec_accepted = 0
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.per_token = Histogram(TOKEN_BUCKETS)
@@ -51,6 +52,8 @@ class Metrics:
         self.tokens += n
         self.prompt_tokens += int(stats.get("context", n)) - n
         self.reused_tokens += int(stats.get("reused_tokens", 0))
+        self.spec_drafted += int(stats.get("spec_drafted", 0))
+        self.spec_accepted += int(stats.get("spec_accepted", 0))
         if ttft_s is not None and n:
             self.ttft.observe(ttft_s)
         decode_ms = float(stats.get("decode_ms", 0.0))
@@ -70,6 +73,12 @@ class Metrics:
                 "# TYPE kog_prompt_tokens_total counter", f"kog_prompt_tokens_total {self.prompt_tokens}",
                 "# HELP kog_reused_tokens_total Prompt tokens taken from a KV cache instead of prefilled.",
                 "# TYPE kog_reused_tokens_total counter", f"kog_reused_tokens_total {self.reused_tokens}",
+                "# HELP kog_speculative_draft_tokens_total Draft tokens proposed by prompt lookup.",
+                "# TYPE kog_speculative_draft_tokens_total counter",
+                f"kog_speculative_draft_tokens_total {self.spec_drafted}",
+                "# HELP kog_speculative_accepted_tokens_total Draft tokens accepted (verified in one pass).",
+                "# TYPE kog_speculative_accepted_tokens_total counter",
+                f"kog_speculative_accepted_tokens_total {self.spec_accepted}",
                 "# HELP kog_time_to_first_token_seconds From the HTTP request to its first token.",
                 "# TYPE kog_time_to_first_token_seconds histogram",
                 *self.ttft.lines("kog_time_to_first_token_seconds"),

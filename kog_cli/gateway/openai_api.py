@@ -127,6 +127,13 @@ def sampling(body: dict, max_seq: int, default_max: int | None) -> dict:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
+    if "speculative" in body:      # our extension: {"method": "prompt_lookup", "k": 8}, true or false
+        try:
+            k = P.parse_request({"v": 1, "op": "generate", "prompt_ids": [0],
+                                 "speculative": body["speculative"]})["speculative"]
+            out["speculative"] = {"method": "prompt_lookup", "k": k}
+        except P.ProtocolError as e:
+            raise bad(str(e), "speculative") from None
     return out
 
 
