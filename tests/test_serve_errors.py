@@ -69,6 +69,10 @@ def test_bad_bodies_and_parameters(url):
     assert _err(_post(url, "/v1/completions", {"prompt": 5}), 400)["param"] == "prompt"
     # a body over --max-body-bytes, announced or not
     _err(_post(url, "/v1/completions", {"prompt": "x" * 70000}), 413)
+    # nesting: past Python's recursion limit, and deep but parseable in an ignored field
+    assert "nests deeper" in _err(_post(url, "/v1/completions", "[" * 30000 + "]" * 30000), 400)["message"]
+    assert "nests deeper" in _err(_post(url, "/v1/completions", '{"prompt": "x", "a": ' + '[' * 40 + ']' * 40 + '}'),
+                                  400)["message"]
     # unknown fields are ignored
     r = _post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0, "frobnicate": {"a": 1},
                                        "user": "me"})

@@ -45,6 +45,21 @@ def error_response(e: O.ApiError) -> Response:
     return Response(_json(e.body()), status_code=e.status, media_type="application/json", headers=e.headers)
 
 
+MAX_JSON_DEPTH = 32   # an OpenAI request nests 4 levels (messages, content parts); more is an attack
+
+
+def _depth(obj) -> int:
+    """How deep lists and objects nest in a parsed JSON value (iterative: no recursion to exhaust)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
 class Gateway:
     """State shared by the routes: the coordinator client, its health, the metrics."""
 
@@ -156,10 +171,14 @@ class Gateway:
                 raise O.ApiError(413, f"the request body is over the limit of {self.max_body} bytes")
         try:
             body = json.loads(bytes(data))
+        except RecursionError:
+            raise O.bad(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise O.bad(f"the body is not valid JSON: {e}"[:200]) from None
         if not isinstance(body, dict):
             raise O.bad("the body must be a JSON object")
+        if _depth(body) > MAX_JSON_DEPTH:
+            raise O.bad(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
         return body
 
     # ------------------------------------------------------------------------------ small routes
