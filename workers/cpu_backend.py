@@ -10,7 +10,7 @@ from kog_dist.speculative import step as spec_step
 
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
-from .cpu_decode import FastDecoder, FusedWeights
+from .cpu_decode import FastDecoder, FusedWeights, set_blas_threads
 
 
 class CpuBackend(Backend):
@@ -26,6 +26,19 @@ class CpuBackend(Backend):
         self.slots = [None] * num_slots
         self.tokens = [[] for _ in range(num_slots)]   # the ids each slot's cache holds
         self.agree = agree or (lambda flag: flag)
+
+    def _prefill(self, eng, feed):
+        """On the BLAS thread count the decode steps find faster now: two threads that collapse when
+        another process holds a core do the same to the prefill's GEMMs."""
+        d = self.decoder
+        n = d.preferred_threads() if d else None
+        if not n or n == d.base_threads:
+            return eng.prefill(feed)
+        set_blas_threads(n)
+        try:
+            return eng.prefill(feed)
+        finally:
+            set_blas_threads(d.base_threads)
 
     def cached(self, slot: int) -> int:
         return len(self.tokens[slot]) if 0 <= slot < self.num_slots else 0
@@ -46,7 +59,7 @@ class CpuBackend(Backend):
             feed, held = held[-1:], held[:-1]
         eng.truncate(len(held))
         res = RunResult(prefill_tokens=len(feed))
-        logits = eng.prefill(feed)
+        logits = self._prefill(eng, feed)
         held += [int(t) for t in feed]
         res.prefill_ms = clock.ms()
         stop = (set() if ignore_eos else set(self.cfg.eos_token_ids)) | set(cmd.stop_ids)

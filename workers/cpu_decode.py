@@ -63,29 +63,36 @@ def set_blas_threads(n: int) -> None:
 
 class ThreadChooser:
     """Picks a BLAS thread count per decode step from the step times seen so far: each choice is tried
-    once, then the one with the lower moving average of its step time runs, and every `explore`-th step
-    tries the other again (contention on the cores comes and goes)."""
+    once, then the one with the lower median of its last `keep` step times runs, and every `explore`-th
+    step tries another again (contention on the cores comes and goes). The median lets one step that
+    another process delayed pass without a switch."""
 
-    def __init__(self, choices: list[int], explore: int = 24, weight: float = 0.5):
+    def __init__(self, choices: list[int], explore: int = 24, keep: int = 3):
         self.choices = list(dict.fromkeys(choices))
-        self.avg: dict[int, float] = {}
+        self.times: dict[int, deque] = {c: deque(maxlen=keep) for c in self.choices}
         self.runs = {c: 0 for c in self.choices}      # steps run with each (reports)
-        self.explore, self.weight, self.steps = explore, weight, 0
+        self.explore, self.steps = explore, 0
+
+    def best(self) -> int | None:
+        """The count that is faster now, by what has been seen (None before every choice has run)."""
+        if not all(self.times.values()):
+            return None
+        return min(self.choices, key=lambda c: float(np.median(self.times[c])))
 
     def pick(self) -> int:
         self.steps += 1
-        untried = [c for c in self.choices if c not in self.avg]
+        untried = [c for c in self.choices if not self.times[c]]
         if untried:
             return untried[0]
-        ranked = sorted(self.choices, key=self.avg.__getitem__)
-        if len(ranked) > 1 and self.steps % self.explore == 0:
-            return ranked[1 + (self.steps // self.explore) % (len(ranked) - 1)]
-        return ranked[0]
+        best = self.best()
+        if len(self.choices) > 1 and self.steps % self.explore == 0:
+            others = [c for c in self.choices if c != best]
+            return others[(self.steps // self.explore) % len(others)]
+        return best
 
     def record(self, choice: int, seconds: float) -> None:
         self.runs[choice] += 1
-        old = self.avg.get(choice)
-        self.avg[choice] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+        self.times[choice].append(seconds)
 
 
 class FusedWeights:
@@ -169,6 +176,10 @@ class FastDecoder:
         """As engine.rms, on x [nl, D]."""
         inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps)
         return (x * inv) * g
+
+    def preferred_threads(self) -> int | None:
+        """The BLAS thread count the steps find faster now (what the backend's prefill runs on)."""
+        return (self.chooser.best() or self.base_threads) if self.chooser else self.threads
 
     def step(self, eng, token_id: int) -> np.ndarray:
         pos = eng.pos
