@@ -256,8 +256,8 @@ class FastDecoder:
     def _step_lanes(self, eng, token_id: int, pos: int) -> np.ndarray:
         cfg, fw, nl = self.cfg, self.fw, self.nl
         ex = eng.ex
-        N, delta = cfg.num_hidden_layers, cfg.broadcast_delay
-        hd, hl, kvl, g, nq, nk = self.hd, self.hl, self.kvl, self.g, self.nq, self.nk
+        N = cfg.num_hidden_layers
+        hd, kvl, g, nq, nk = self.hd, self.kvl, self.g, self.nq, self.nk
         x = self.embed(np.asarray([token_id], dtype=np.int64)).astype(_F32)[0]
         h = np.repeat(x[None], nl, axis=0)                       # [nl, D]
         ang = pos * self.inv_freq                                # float64 angles, as the engine's
