@@ -2,7 +2,7 @@
 
 
 def __getattr__(name):
-    if name == "Client":
+    if name == "Client":   # on first use: `import kog_dist` must not load zmq (tests/test_control_cli.py)
         from .client import Client
         return Client
     raise AttributeError(f"module 'kog_dist' has no attribute {name!r}")

@@ -24,6 +24,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 
 import zmq
+from zmq.auth import load_certificate
 from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
@@ -90,7 +91,6 @@ class GenerateResult:
 def _curve(sock, server_key, client_key):
     if server_key is None and client_key is None:
         return
-    from zmq.auth import load_certificate
     if server_key is None or client_key is None:
         raise ValueError("CURVE needs both the server's public key file and this client's secret key file")
     server_public = load_certificate(server_key)[0] if not isinstance(server_key, bytes) else server_key

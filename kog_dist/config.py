@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 
 class ConfigError(ValueError):
     """A config that cannot describe a Laneformer; the message is one line."""
@@ -296,7 +298,6 @@ def _check_rope_scaling(sc, hd: int) -> None:
 def rope_inv_freq(cfg: LaneformerConfig):
     """theta^(-2k/hd) for k in [0, hd/2): the angle per position of each interleaved pair, with the
     spec's llama3 rope_scaling applied when the config has it."""
-    import numpy as np
     hd = cfg.head_dim
     w = [cfg.rope_theta ** (-2.0 * k / hd) for k in range(hd // 2)]
     sc = cfg.rope_scaling

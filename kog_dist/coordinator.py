@@ -44,6 +44,8 @@ import threading
 import time
 
 import zmq
+from zmq.auth import load_certificate
+from zmq.auth.thread import ThreadAuthenticator
 
 from . import protocol as P
 from .control_auth import (ControlError, CurveKeys, check_endpoint, remove_secret,  # noqa: F401 (re-exported)
@@ -104,8 +106,6 @@ class Coordinator(Scheduler):
         if host and ":" in host:
             s.setsockopt(zmq.IPV6, 1)
         if self.curve_keys is not None:
-            from zmq.auth import load_certificate
-            from zmq.auth.thread import ThreadAuthenticator
             try:
                 public, secret = load_certificate(self.curve_keys.server_secret_file)
             except Exception as e:

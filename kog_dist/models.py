@@ -13,6 +13,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
+from .tiny import default_model_dir
+
 
 @dataclass(frozen=True)
 class Builtin:
@@ -57,7 +59,6 @@ def resolve_model(spec: str | None, *, fetch: bool = True, say=None) -> str:
     say = say or (lambda msg: print(f"kog: {msg}", file=sys.stderr, flush=True))
     spec = DEFAULT_MODEL if spec in (None, "", "default") else spec
     if spec == TINY_RANDOM:
-        from .tiny import default_model_dir
         return default_model_dir()
     if spec in BUILTINS:
         path = builtin_path(spec)

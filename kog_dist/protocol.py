@@ -8,7 +8,9 @@ timestamps and non-string map keys are refused).
 """
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 
 import msgpack
 
@@ -303,8 +305,6 @@ def endpoint_host(endpoint: str) -> str | None:
 
 def is_loopback(endpoint: str) -> bool:
     """True when the endpoint is reachable from this machine only (loopback tcp, ipc, inproc)."""
-    import ipaddress
-    import socket
     host = endpoint_host(endpoint)
     if host is None or host in ("lo", "localhost"):
         return True

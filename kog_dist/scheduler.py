@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 from . import protocol as P
+from .backend import RunCommand
 from .protocol import ProtocolError
+from .sampling import SamplingParams
 from .textstream import TextStream, find_stop
 
 
@@ -418,8 +420,6 @@ def _encode(tokenizer, text):
 
 
 def _make_command(*, slot, keep, append, max_new_tokens, params, stop_ids, speculative=0):
-    from .backend import RunCommand
-    from kog_dist.sampling import SamplingParams
     sp = SamplingParams(temperature=params.get("temperature", 0.0), top_k=params.get("top_k", 0),
                         top_p=params.get("top_p", 1.0), seed=params.get("seed", 0))
     return RunCommand(slot=slot, keep=keep, append=list(append), max_new_tokens=max_new_tokens,

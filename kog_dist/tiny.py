@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -79,6 +80,5 @@ def default_model_dir() -> str:
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race
-            import shutil
             shutil.rmtree(tmp, ignore_errors=True)
     return path
