@@ -660,7 +660,8 @@ def test_killed_rank_verdict():
 
 def test_params_layout_matches_the_backend():
     """The kernel's Params words (each field 8 bytes, arrays of them) against the indices backend.py
-    writes: 58 kccl pointer, 59..61 first epochs (attn, mlp, final), 62 yfin; N_PARAMS holds them.
+    writes: 58 quantized scales, 59 biases, 60 kccl pointer, 61..63 first epochs (attn, mlp, final), 64 yfin;
+    N_PARAMS holds them.
     Read from the inlined source (build.source): Params is in one of monokernel.cu's headers."""
     import re
     from workers.cuda.backend import N_PARAMS
@@ -682,9 +683,11 @@ def test_params_layout_matches_the_backend():
         assert comment == words, (name, comment, words)      # the comment says the word index
         names[name] = (words, multi)
         words += count
-    assert names["rope"] == (57, False) and names["kd"] == (58, True)
-    assert names["e0"] == (59, True) and names["yfin"] == (62, True) and words == 63 <= N_PARAMS
+    assert names["rope"] == (57, False) and names["ws"] == (58, False) and names["bias"] == (59, False)
+    assert names["kd"] == (60, True) and names["e0"] == (61, True) and names["yfin"] == (64, True)
+    assert words == 65 <= N_PARAMS
     bsrc = open(os.path.join(REPO, "workers", "cuda", "backend.py")).read()
-    assert "h[58] = self.comm.dev_ptr" in bsrc and "[59 + j] = self.comm.next_epoch(tag)" in bsrc
-    assert 'h[62] = self.buf["yfin"].data.ptr' in bsrc
+    assert "h[58] = ptr(self.dw.ws)" in bsrc and "h[59] = ptr(self.dw.bias)" in bsrc
+    assert "h[60] = self.comm.dev_ptr" in bsrc and "[61 + j] = self.comm.next_epoch(tag)" in bsrc
+    assert 'h[64] = self.buf["yfin"].data.ptr' in bsrc
     assert mr.TAGS == ("attn", "mlp", "final")
