@@ -13,9 +13,12 @@ import json
 import os
 import sys
 
-# Ranks share the cores: one BLAS thread each, unless the user said otherwise.
-for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_v, "1")
+# Ranks share the cores: one BLAS thread each, unless the user said otherwise. A job of one rank keeps
+# the machine's threads (the cpu backend picks 1 or all per step, workers/cpu_decode.ThreadChooser).
+_SIZE = next((os.environ[v] for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS") if v in os.environ), "1")
+if _SIZE != "1":
+    for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_v, "1")
 
 
 def parser() -> argparse.ArgumentParser:
