@@ -141,7 +141,8 @@ class Chat:
         tty = stdin.isatty()
         if tty:
             try:
-                import readline  # noqa: F401 (line editing and history for input())
+                # line editing and history for input(), on a terminal only (optional: some Pythons lack it)
+                import readline  # noqa: F401
             except ImportError:
                 pass
         while True:

@@ -1,6 +1,7 @@
 """`kog generate`: one request, in this process or through N ranks under mpiexec."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -78,7 +79,6 @@ def run_under_mpiexec(a) -> int:
 def _die_with_parent() -> None:
     """In the child before exec: mpiexec gets SIGTERM if `kog generate` itself is killed."""
     try:
-        import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     except Exception:  # not Linux: the explicit kill paths still apply
         pass
