@@ -77,6 +77,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--np", type=int, default=1, dest="nranks", help="ranks (started under mpiexec)")
     p.add_argument("--max-seq", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--dtype", default=None, help="storage of the layer matrices: bf16, fp16, fp32, q8_0, q4_0, "
+                   "q4_1 (default: the model's own; quantized GGUF blocks as stored)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

@@ -21,7 +21,7 @@ def generate_one_process(a) -> dict:
     tok = load_tokenizer(src)
     ids, cmd = build_request(a, src.cfg, tok)     # refuse bad input before any weight is read
     kind = resolve(a.backend)
-    backend, cfg = make_backend(kind, src, max_seq=a.max_seq, num_slots=1)
+    backend, cfg = make_backend(kind, src, max_seq=a.max_seq, num_slots=1, dtype=a.dtype)
     stream = not a.json and sys.stdout.isatty()
     try:
         res = backend.run(cmd, _streamer(tok, cmd.stop_ids + cfg.eos_token_ids) if stream else None)
@@ -56,7 +56,7 @@ def run_under_mpiexec(a) -> int:
     try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
         cmd = build_command(detect(), a.nranks, [
             sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,
-            "--bind", "none", "--oneshot", json.dumps(req)])
+            "--bind", "none", *(["--dtype", a.dtype] if a.dtype else []), "--oneshot", json.dumps(req)])
     except LaunchError as e:
         raise ValueError(f"--np needs an MPI launcher: {e}") from None
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--control", help="the endpoint the ranks bind (default: a free loopback port)")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-seq", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="storage of the layer matrices (as kog-worker --dtype)")
     p.add_argument("--slots", type=int, default=4, help="KV caches (prefix reuse between requests)")
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the running one (429 after)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
@@ -129,6 +130,8 @@ def rank_command(a, control: str) -> list[str]:
         cmd += ["--model", a.model]
     if a.max_seq:
         cmd += ["--max-seq", str(a.max_seq)]
+    if a.dtype:
+        cmd += ["--dtype", a.dtype]
     if a.nranks == 1:
         return cmd
     try:

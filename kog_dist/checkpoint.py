@@ -320,10 +320,12 @@ class Weights(dict):
 
 
 def load_weights(src, lanes: range | None = None, progress: bool | None = None,
-                 cfg: LaneformerConfig | None = None):
+                 cfg: LaneformerConfig | None = None, store: str | None = None):
     """Read the config and the (lane-sliced) weights as float32. `src` is a tensor source
     (kog_dist.formats.open_model) or a path, opened here. Returns (cfg, Weights, source).
-    The embedding table stays in the source: rows are read on demand."""
+    The embedding table stays in the source: rows are read on demand. `store` ("BF16", "F16", "Q8_0",
+    "Q4_0", "Q4_1"): the layer matrices take the values they have once stored so (`--dtype`), as the
+    GPU stores them, so every backend computes the same function."""
     if isinstance(src, (str, os.PathLike)):
         if cfg is not None:
             src = CheckpointReader(os.fspath(src), cfg)
@@ -346,6 +348,8 @@ def load_weights(src, lanes: range | None = None, progress: bool | None = None,
         for n in names:
             a = src.tensor(n, lanes)
             check_finite(n, a)
+            if store not in (None, "F32") and is_lane_first(n) and not n.endswith(".bias"):
+                a = stored_values(a, store)
             if n.endswith("_norm.weight") or n == "model.norm.weight":
                 a = np.broadcast_to(a, (len(lanes), cfg.hidden_size)).copy()
             key = n.replace(".scale", ".weight")
@@ -363,17 +367,28 @@ def load_weights(src, lanes: range | None = None, progress: bool | None = None,
     return cfg, w, src
 
 
+def stored_values(a: np.ndarray, store: str) -> np.ndarray:
+    """float32 values of `a` after storage as `store` (round to nearest even for BF16 and F16; GGUF's
+    round to nearest and exact dequantization for the quantized types)."""
+    if store == "BF16":
+        return to_float32(bf16_bits(a), "BF16")
+    if store == "F16":
+        return a.astype(np.float16).astype(np.float32)
+    from .formats.quant import round_trip      # see load_weights
+    return round_trip(a, store)
+
+
 class Model:
     """What a rank needs of a checkpoint: config, its lanes' weights, embedding rows on demand.
     `src`: a tensor source from kog_dist.formats.open_model, or a path (opened here). The Model owns
-    the source from then on: close() closes it."""
+    the source from then on: close() closes it. `store`: see load_weights."""
 
-    def __init__(self, src, lanes: range | None = None, progress: bool | None = None):
+    def __init__(self, src, lanes: range | None = None, progress: bool | None = None, store: str | None = None):
         if isinstance(src, (str, os.PathLike)):
             from .formats import open_model    # see load_weights
             src = open_model(os.fspath(src), progress=progress)
         try:
-            self.cfg, self.weights, self.reader = load_weights(src, lanes, progress)
+            self.cfg, self.weights, self.reader = load_weights(src, lanes, progress, store=store)
         except BaseException:       # the source is the Model's from the start: a failed load closes it
             src.close()
             raise

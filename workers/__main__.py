@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--control", default="tcp://127.0.0.1:5555", help="ZMQ endpoint rank 0 binds")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-seq", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--dtype", default=None, help="storage of the layer matrices: bf16, fp16, fp32, q8_0, q4_0, "
+                   "q4_1 (default: the model's own)")
     p.add_argument("--bind", choices=("none", "cores", "numa"), default="cores",
                    help="CPU/memory binding from the placement plan (default: cores)")
     p.add_argument("--slots", type=int, default=4, help="KV caches kept for sessions")
@@ -150,7 +152,7 @@ def run(a) -> int:
         backend, cfg = _all_or_none(world, lambda: make_backend(
             kind, src, lanes=lanes, max_seq=a.max_seq, exchange=KcclExchange(comm) if size > 1 else None,
             agree=make_agree(comm), num_slots=max(1, a.slots), progress=None if rank == 0 else False,
-            comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size))
+            comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size, dtype=a.dtype))
         if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
             from .heartbeat import Heartbeat
             hb = Heartbeat.start(world, log=log)

@@ -2,17 +2,19 @@
 ranks, when every rank sees one and the model suits the multi-rank kernel)."""
 from __future__ import annotations
 
+from kccl import optional
 from kog_dist.checkpoint import Model
 from kog_dist.config import check_context_fits
 from kog_dist.formats import open_model
 
 from .cpu_backend import CpuBackend
+from .cuda import multirank              # plain Python: no CuPy needed
+from .cuda.backend import CudaBackend   # CuPy is imported when one is built, not here
 
 
 def cuda_available() -> bool:
     try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return optional.cupy().cuda.runtime.getDeviceCount() > 0
     except Exception:  # no CuPy, no driver, no device: all mean "not here"
         return False
 
@@ -48,9 +50,8 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
             return "cpu", f"--backend auto: not every one of the {size} ranks sees a GPU; using cpu"
         return "cpu", None
     if size > 1 and cfg is not None:
-        from .cuda.multirank import check          # plain Python: no CuPy needed
         try:
-            check(cfg, size)
+            multirank.check(cfg, size)
         except ValueError as e:
             if kind == "cuda":
                 raise
@@ -61,21 +62,29 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
     return "cuda", None
 
 
+STORE_NAMES = {"bf16": "BF16", "fp16": "F16", "f16": "F16", "fp32": "F32", "f32": "F32",
+               "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+
+
 def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=None,
-                 num_slots: int = 4, progress=None, comm=None, prefill_chunk=None):
+                 num_slots: int = 4, progress=None, comm=None, prefill_chunk=None, dtype=None):
     """Returns (backend, cfg). `src` is the opened model (kog_dist.formats.open_model: config and tensor
     source) or a path to open; `lanes` is this rank's range (None: all); exchange/agree carry the lane
-    sums and the go-on decision between ranks (None: one rank)."""
+    sums and the go-on decision between ranks (None: one rank). `dtype` (None: the model's own):
+    bf16, fp16, fp32, q8_0, q4_0 or q4_1 storage of the layer matrices; the cpu backend computes on
+    the values that storage holds, the cuda backend streams it."""
+    store = STORE_NAMES.get(str(dtype).lower()) if dtype is not None else None
+    if dtype is not None and store is None:
+        raise ValueError(f"--dtype {dtype}: not a storage type ({', '.join(STORE_NAMES)})")
     kind = resolve(kind)
     if isinstance(src, str):
         src = open_model(src, progress=progress)
     if kind == "cuda":
-        from .cuda.backend import CudaBackend
         b = CudaBackend(src, lanes=lanes, max_seq=max_seq, num_slots=num_slots, comm=comm,
-                        progress=progress)
+                        progress=progress, dtype=store)
         return b, b.cfg
     check_context_fits(src.cfg, max_seq)   # a context whose KV cache cannot fit is refused before loading
-    m = Model(src, lanes, progress)
+    m = Model(src, lanes, progress, store=store)
     b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree, prefill_chunk)
     b.model = m
     return b, m.cfg

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _dequantize
+from gguf.quants import quantize
 
 # Served as they are stored (no conversion): GGML type -> the dtype name raw() reports.
 PLAIN = {GGMLQuantizationType.F32: "F32", GGMLQuantizationType.F16: "F16", GGMLQuantizationType.BF16: "BF16"}
@@ -53,3 +54,17 @@ def dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray
     for s in range(0, data.shape[0], step):
         out[s:s + step] = _dequantize(data[s:s + step], qtype)
     return out
+
+
+STORE_TYPES = {"Q8_0": GGMLQuantizationType.Q8_0, "Q4_0": GGMLQuantizationType.Q4_0,
+               "Q4_1": GGMLQuantizationType.Q4_1}
+
+
+def round_trip(a: np.ndarray, name: str) -> np.ndarray:
+    """The float32 values a matrix takes once stored as `name` (Q8_0 / Q4_0 / Q4_1: gguf.quants' round to
+    nearest, then its exact dequantization): what every backend computes with under `--dtype name`."""
+    qtype = STORE_TYPES[name]
+    if a.shape[-1] % 32:
+        raise ValueError(f"--dtype {name.lower()} needs rows of a multiple of 32 weights, got {a.shape[-1]}")
+    flat = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1])
+    return dequantize_rows(quantize(flat, qtype), qtype).reshape(a.shape).astype(np.float32, copy=False)
