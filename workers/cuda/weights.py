@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from kog_dist.checkpoint import check_finite, check_finite_bits
+
 STORAGE_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 QTYPES = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}          # CFG_QW of each quantized storage of the layer matrices
 QBITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
@@ -216,19 +218,22 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     lanes = view.lanes if view is not None else None
     base = dw.base
 
+    # a NaN or inf weight is refused with its name (kog_dist.checkpoint.check_finite): storage bits on a
+    # sample of rows (a full pass would cost the upload a second read), float32 tensors in full
     def raw(name, lane_first=False):
         a, dt = src.raw(name, lanes) if lane_first and lanes is not None else src.raw(name)
-        return _to_storage(a, dt, base)
+        return _to_storage(check_finite_bits(name, a, dt, sample=256), dt, base)
+
+    def tensor(name, lane_first=False):
+        return check_finite(name, src.tensor(name, lanes) if lane_first and lanes is not None else src.tensor(name))
 
     def mat(name):   # a lane-first matrix for the layer regions: storage bits, or float32 to quantize
-        if dw.qtype:
-            return src.tensor(name, lanes) if lanes is not None else src.tensor(name)
-        return raw(name, True)
+        return tensor(name, True) if dw.qtype else raw(name, True)
 
     def norm(prefix):
         if cfg.replicated_rmsn_scale:
-            return np.broadcast_to(src.tensor(prefix + ".weight"), (L, D))
-        return np.broadcast_to(src.tensor(prefix + ".scale", lanes), (L, D))
+            return np.broadcast_to(tensor(prefix + ".weight"), (L, D))
+        return np.broadcast_to(tensor(prefix + ".scale", True), (L, D))
 
     def put(i, name, arr):
         if dw.qtype:
@@ -248,8 +253,7 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
             put(i, "w13", np.stack([mat(p + "feed_forward.w1.weight"), mat(p + "feed_forward.w3.weight")], axis=2))
             put(i, "w2", mat(p + "feed_forward.w2.weight"))
             if dw.bias is not None:
-                b = [src.tensor(p + f"attention.b{x}.bias", lanes) if lanes is not None
-                     else src.tensor(p + f"attention.b{x}.bias") for x in "qkv"]
+                b = [tensor(p + f"attention.b{x}.bias", True) for x in "qkv"]
                 dw.bias[i] = cp.asarray(np.concatenate(b, axis=1))
             dw.norms[i, 0] = cp.asarray(norm(p + "attention_norm"))
             dw.norms[i, 1] = cp.asarray(norm(p + "ffn_norm"))
