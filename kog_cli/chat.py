@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="default: a new one per turn")
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-seq", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="storage of the layer matrices (as kog generate --dtype)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="prompt-lookup speculative decoding, up to K (0..8) draft tokens (default 0: off)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server")
     p.add_argument("--server-key", help="with --connect: the server's CURVE public key file")
     p.add_argument("--client-key", help="with --connect: this client's CURVE secret key file")
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
         control = a.connect or f"tcp://127.0.0.1:{free_port()}"
         if not a.connect:
             sa = argparse.Namespace(model=a.model, nranks=a.nranks, backend=a.backend, max_seq=a.max_seq,
-                                    slots=2, queue_limit=4, bind=None)
+                                    slots=2, queue_limit=4, bind=None, dtype=a.dtype, speculative=a.speculative)
             cmd = rank_command(sa, control)
         client = Client(control, timeout=a.timeout, server_key=a.server_key, client_key=a.client_key)
     except (UsageError, ValueError) as e:

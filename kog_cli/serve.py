@@ -125,12 +125,12 @@ def listen(host: str, port: int) -> socket.socket:
 def rank_command(a, control: str) -> list[str]:
     cmd = [sys.executable, "-m", "workers", "--control", control, "--backend", a.backend,
            "--bind", a.bind or ("none" if a.nranks == 1 else "cores"), "--slots", str(a.slots),
-           "--queue-limit", str(a.queue_limit), "--speculative", str(a.speculative)]
+           "--queue-limit", str(a.queue_limit), "--speculative", str(getattr(a, "speculative", 0))]
     if a.model:
         cmd += ["--model", a.model]
     if a.max_seq:
         cmd += ["--max-seq", str(a.max_seq)]
-    if a.dtype:
+    if getattr(a, "dtype", None):
         cmd += ["--dtype", a.dtype]
     if a.nranks == 1:
         return cmd
