@@ -9,12 +9,14 @@ With --oneshot REQUEST_JSON the job runs one request, rank 0 prints it, and ever
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-# Ranks share the cores: one BLAS thread each, unless the user said otherwise. A job of one rank keeps
-# the machine's threads (the cpu backend picks 1 or all per step, workers/cpu_decode.ThreadChooser).
+from .keeper import keep
+
+# Ranks share the cores: one BLAS thread each, unless the user said otherwise (read when workers.job
+# loads numpy). A job of one rank keeps the machine's threads (the cpu backend picks 1 or all per
+# step, workers/cpu_decode.ThreadChooser).
 _SIZE = next((os.environ[v] for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS") if v in os.environ), "1")
 if _SIZE != "1":
     for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -50,24 +52,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def log(msg: str) -> None:
-    print(f"[kog-worker] {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     if not a.oneshot:   # a server's rank runs as a child of a keeper under MPICH's hydra, so that a rank
         # dying of a signal reaches its clients (workers/keeper.py says why); a one-shot job has no
         # clients, and there the keeper's extra hop lets hydra SIGKILL the ranks still leaving after
         # an error (a "BAD TERMINATION" banner instead of the one-line error and exit 2)
-        from .keeper import keep
         keep()
+    # imported here, not at the top: the keeper forks the rank before anything else loads (keeper.py)
+    from .job import SaidOnRank0, leave, run
     try:
         rc = run(a)
     except KeyboardInterrupt:
-        _leave(130)
+        leave(130)
     except SaidOnRank0 as e:   # rank 0 prints the job's error; the others leave with its exit status
-        _leave(e.rc)
+        leave(e.rc)
     except Exception as e:  # one line, never a traceback (KOG_DEBUG=1 shows it)
         if os.environ.get("KOG_DEBUG"):
             raise
@@ -77,252 +76,10 @@ def main(argv=None) -> int:
         # leave here, while the exception still holds the failed run's frames: releasing them would
         # destroy its CuPy streams and events, and after a sticky CUDA error (a peer's death under
         # MPS) each destructor prints an "Exception ignored" traceback
-        _leave(2 if isinstance(e, ValueError) else 1)
+        leave(2 if isinstance(e, ValueError) else 1)
     if rc != 0:
-        _leave(rc)
+        leave(rc)
     return rc
-
-
-def _leave(rc: int) -> None:
-    """MPI_Finalize at interpreter exit waits for every rank; after a failure some may be gone, so
-    leave without it (and without the interpreter's teardown) rather than hang."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
-def run(a) -> int:
-    from kccl.mpi_plain import allreduce_int, forbid_pickle
-    from kccl.optional import mpi
-    MPI = mpi()   # MpiMissing says in one line what to install
-    from kog_dist.formats import open_model
-    from kog_dist.models import resolve_model
-    from .oneshot import check_rank_count
-    from launch.discovery import require_single_node
-
-    forbid_pickle()
-    world = MPI.COMM_WORLD
-    info = require_single_node(world)
-    rank, size = info.rank, info.size
-    _unlink_mpi_segments(world, info.local_rank)
-    model = _from_rank0(world, lambda: resolve_model(a.model))   # a built-in model is fetched once, by rank 0
-    # rank 0 opens (and so validates) the model first: a bad file is said once, by rank 0
-    src = _rank0_first(world, lambda: open_model(model, progress=None if rank == 0 else False))
-    cfg = src.cfg
-    _all_or_none(world, lambda: check_rank_count(cfg, size))   # refuses N the model cannot split into, once
-    lanes = cfg.lanes_of_rank(rank, size)
-    if not a.oneshot:   # and so does an endpoint rank 0 may not bind: on every rank (same arguments, same
-        # node), so that every rank leaves with the error and none is left waiting in the next collective
-        from kog_dist.coordinator import CurveKeys, check_endpoint
-        keys = CurveKeys(a.curve_server_key, a.curve_clients) if a.curve_server_key else None
-        check_endpoint(a.control, a.allow_remote, keys)
-    placed = _place(a, info)
-
-    import kccl
-    from .factory import choose, cuda_available, make_backend
-    from .rank import KcclExchange, RankGroup, follow, make_agree
-    here = a.backend != "cpu" and cuda_available()
-    # every rank takes the same decision (bootstrap only: one allreduce of a flag)
-    everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
-    kind, note = choose(a.backend, size, here, everywhere, cfg)
-    if note and rank == 0:
-        log(note)
-    max_floats = max(cfg.hidden_size, 1 << 16)
-    comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
-                                    depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
-    gcomm = None   # --backend cuda, several ranks: the monokernels exchange through kccl cuda_ipc
-    if kind == "cuda" and size > 1:
-        import cupy as cp
-        from topology.probe import mps_running
-        from workers.cuda.multirank import comm_kwargs
-        cp.cuda.Device(info.local_rank % cp.cuda.runtime.getDeviceCount()).use()   # before create (one GPU: MPS)
-        gcomm = kccl.Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, size))
-        if rank == 0 and len(set(gcomm.bus_ids)) < size and not mps_running():
-            log(f"{size} ranks share {len(set(gcomm.bus_ids))} GPU(s) and the MPS daemon does not seem to run: "
-                "their persistent kernels time-slice and every exchange waits for a slice (slow); start "
-                "`nvidia-cuda-mps-control -d` first")
-    if rank != 0 and not a.oneshot:
-        # SIGTERM reaches every rank (mpiexec, scancel); rank 0 winds the job down and tells the
-        # followers to exit, so they must outlive it rather than die mid-exchange.
-        import signal
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-    hb = None
-    try:
-        backend, cfg = _all_or_none(world, lambda: make_backend(
-            kind, src, lanes=lanes, max_seq=a.max_seq, exchange=KcclExchange(comm) if size > 1 else None,
-            agree=make_agree(comm), num_slots=max(1, a.slots), progress=None if rank == 0 else False,
-            comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size, dtype=a.dtype))
-        if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
-            from .heartbeat import Heartbeat
-            hb = Heartbeat.start(world, log=log)
-        if rank != 0 and not a.oneshot:
-            return follow(backend, comm, log)
-        if a.oneshot:
-            return _oneshot(a, src, cfg, backend, comm, kind)
-        log(f"{size} rank(s), backend {kind}, lanes {lanes.start}..{lanes.stop - 1} on rank 0, "
-            f"binding {placed}")
-        return _serve(a, src, cfg, backend, comm, hb)
-    finally:
-        if hb is not None:
-            hb.close()
-        if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
-            gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
-        comm.close()
-
-
-class SaidOnRank0(Exception):
-    """This rank's job failed and rank 0 says why: leave with `rc`, printing nothing."""
-
-    def __init__(self, rc: int):
-        super().__init__("")
-        self.rc = rc
-
-
-def _one_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def _rc_of(e: BaseException) -> int:
-    return 2 if isinstance(e, ValueError) else 1
-
-
-def _from_rank0(world, make) -> str:
-    """Rank 0's `make()` (a string) on every rank; if it fails there, rank 0 says so once and every
-    rank leaves, so none is left waiting for rank 0 in a later collective."""
-    return _rank0_first(world, make, value=True)
-
-
-def _rank0_first(world, make, value: bool = False):
-    """`make()` on rank 0, then (if it worked) on the others; `value`: the others take rank 0's
-    string instead of calling make. A failure on rank 0 is said there (once) and every rank leaves."""
-    from kccl.mpi_plain import bcast_str
-    if world.Get_size() == 1:
-        return make()
-    text, got = "", None
-    if world.Get_rank() == 0:
-        try:
-            got = make()
-            text = "ok " + (got if value else "")
-        except Exception as e:  # noqa: BLE001 (said below, after telling the others)
-            failure = e
-            text = f"error {_rc_of(e)}"
-    text = bcast_str(world, text)
-    if text.startswith("error "):
-        mine = failure if world.Get_rank() == 0 else None
-        _say_once(world, mine and _one_line(mine), 0, int(text.split()[1]), mine)
-    if world.Get_rank() == 0:
-        return got
-    return text[3:] if value else make()
-
-
-def _all_or_none(world, make):
-    """`make()` on every rank; if it fails on any, rank 0 says the first failure (with its rank) and
-    every rank leaves: a bad weight read by every rank is said once, one read by one rank is said too."""
-    from kccl.mpi_plain import allgather_bytes
-    if world.Get_size() == 1:
-        return make()
-    try:
-        got, mine = make(), b""
-    except Exception as e:  # noqa: BLE001 (reported below, once)
-        got, mine = None, f"{_rc_of(e)} {_one_line(e)}".encode()
-    errs = allgather_bytes(world, mine)
-    bad = [(r, m.decode(errors="replace")) for r, m in enumerate(errs) if m]
-    if not bad:
-        return got
-    r, m = bad[0]
-    rc, msg = m.split(" ", 1)
-    _say_once(world, msg, r, int(rc))
-
-
-def _say_once(world, msg, rank: int, rc: int, exc=None):
-    """Rank 0 prints `msg` as rank `rank`'s error; every rank waits for that, then leaves with `rc` (a
-    rank leaving first could have the launcher kill rank 0 before it says anything). KOG_DEBUG=1:
-    rank 0 raises its own `exc` instead."""
-    if world.Get_rank() == 0:
-        if exc is not None and os.environ.get("KOG_DEBUG"):
-            raise exc
-        print(f"kog-worker: error: rank {rank}: {msg}", file=sys.stderr, flush=True)
-    world.Barrier()
-    raise SaidOnRank0(rc)
-
-
-def _unlink_mpi_segments(world, local_rank: int) -> None:
-    """MPICH's node segment (/dev/shm/mpich_shm_*) outlives a rank that is SIGKILLed. Every rank has it
-    mapped by now: drop its name, as kccl does with its own, so nothing is left in /dev/shm whatever way
-    the job ends; MPICH keeps using the mapping. Open MPI's vader segment is left alone: its finalize
-    unlinks the name itself and prints a system-call error when the name is gone (seen on the H200 with
-    Open MPI 4.1.6), and its mpirun cleans up after a killed rank."""
-    world.Barrier()
-    if local_rank == 0:
-        try:
-            with open("/proc/self/maps") as f:
-                segs = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
-        except OSError:
-            segs = set()
-        for path in segs:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-    world.Barrier()
-
-
-def _place(a, info) -> str:
-    if a.bind == "none":
-        return "none"
-    from topology.place import place_rank
-    done = place_rank(info.rank, info.size, info.local_rank, a.bind, local_size=info.local_size)
-    if done.get("error"):
-        return f"skipped ({done['error']})"
-    return f"{a.bind}: cores {done.get('cores')}, numa {done.get('numa')}, gpu {done.get('gpu')}"
-
-
-def _serve(a, src, cfg, backend, comm, hb=None) -> int:
-    from kog_dist.coordinator import Coordinator
-    from kog_dist.tokenizer import load_tokenizer
-    from .rank import RankGroup
-    group = RankGroup(backend, comm, heartbeat=hb)
-    keys = (a.curve_server_key, a.curve_clients) if a.curve_server_key else None
-    if not 0 <= a.speculative <= 8:
-        raise ValueError(f"--speculative must be 0..8 draft tokens, got {a.speculative}")
-    try:
-        coord = Coordinator(a.control, group, load_tokenizer(src), cfg, allow_remote=a.allow_remote,
-                            curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl,
-                            speculative=a.speculative,
-                            session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions,
-                            queue_share=a.client_queue)
-        coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve
-        rc = coord.serve()
-        if hb is not None and hb.lost:
-            # a frozen rank: the clients were told; the decode thread may still wait in kccl on it, so
-            # neither tell the followers nor close the communicator under it: end the frozen rank
-            # (nothing else would) and leave (the followers see rank 0 gone and follow)
-            hb.kill_lost()
-            _leave(1)
-        return rc
-    finally:
-        group.close()
-
-
-def _oneshot(a, src, cfg, backend, comm, kind) -> int:
-    from kog_dist.tokenizer import load_tokenizer
-    from .oneshot import build_request, emit, result_json
-    from .rank import RankGroup, follow
-    req = argparse.Namespace(**json.loads(a.oneshot))
-    req.max_seq = req.max_seq or a.max_seq
-    if comm.rank != 0:
-        return follow(backend, comm, log)
-    tok = load_tokenizer(src)
-    group = RankGroup(backend, comm)
-    try:
-        ids, cmd = build_request(req, cfg, tok)
-        res = group.run(cmd)
-    finally:
-        group.close()
-    out = result_json(ids, res, tok, kind, comm.size, src.path)
-    emit(out, req.json)
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import threading
 import time
 
 from kccl.mpi_plain import allreduce_int, bcast_str
+from kccl.optional import mpi
 from kccl.shm import SHM_DIR, Segment, process_alive, segment_prefix
 
 PAGE = 4096
@@ -38,11 +39,6 @@ class PeerFrozen(RuntimeError):
     def __init__(self, message: str, rank: int, pid: int):
         super().__init__(message)
         self.rank, self.pid = rank, pid
-
-
-def _mpi_sum():
-    from mpi4py import MPI
-    return MPI.SUM
 
 
 def _state(pid: int) -> str:
@@ -93,7 +89,7 @@ class Heartbeat:
             except (OSError, ValueError):
                 seg = None
         ok = int(seg is not None)
-        everyone = allreduce_int(world, ok, _mpi_sum()) if path else 0
+        everyone = allreduce_int(world, ok, mpi().SUM) if path else 0
         if rank == 0 and seg is not None:
             seg.unlink()                          # everyone mapped it (or gave up): the name can go
         if everyone != size:
