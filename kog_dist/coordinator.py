@@ -45,7 +45,6 @@ import time
 
 import zmq
 from zmq.auth import load_certificate
-from zmq.auth.thread import ThreadAuthenticator
 
 from . import protocol as P
 from .control_auth import (ControlError, CurveKeys, check_endpoint, remove_secret,  # noqa: F401 (re-exported)
@@ -112,6 +111,9 @@ class Coordinator(Scheduler):
                 raise ControlError(f"cannot read CURVE server key {self.curve_keys.server_secret_file}: {e}") from None
             if not secret:
                 raise ControlError(f"{self.curve_keys.server_secret_file} holds no secret key")
+            # here, not at the top: zmq.auth.thread loads asyncio (~50 modules, 20-70 ms at every rank's
+            # start), and only a CURVE server needs it
+            from zmq.auth.thread import ThreadAuthenticator
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=self.curve_keys.clients_dir)
