@@ -686,8 +686,15 @@ def test_params_layout_matches_the_backend():
     assert names["rope"] == (57, False) and names["ws"] == (58, False) and names["bias"] == (59, False)
     assert names["kd"] == (60, True) and names["e0"] == (61, True) and names["yfin"] == (64, True)
     assert words == 65 <= N_PARAMS
+    # the host packs by these names, read from the same struct (workers/cuda/params.py)
+    from workers.cuda.params import LAYOUT, ParamWords
+    assert {k: v[0] for k, v in LAYOUT.items()} == {k: w for k, (w, _) in names.items()}
+    p = ParamWords(N_PARAMS)
+    p["temperature"], p["top_k"], p["seed"], p["e0"], p["yfin"] = 0.5, 7, (1 << 64) - 1, [3, 4, 5], 0xdead
+    assert p.words.view(np.float64)[25] == 0.5 and p.words.view(np.int64)[27] == 7
+    assert p.words[28] == (1 << 64) - 1 and list(p.words.view(np.int64)[61:64]) == [3, 4, 5] and p.words[64] == 0xdead
+    with pytest.raises(ValueError):
+        p["stop_ids"] = list(range(17))                  # 16 words
     bsrc = open(os.path.join(REPO, "workers", "cuda", "backend.py")).read()
-    assert "h[58] = ptr(self.dw.ws)" in bsrc and "h[59] = ptr(self.dw.bias)" in bsrc
-    assert "h[60] = self.comm.dev_ptr" in bsrc and "[61 + j] = self.comm.next_epoch(tag)" in bsrc
-    assert 'h[64] = self.buf["yfin"].data.ptr' in bsrc
+    assert "ParamWords(N_PARAMS)" in bsrc and "h[" not in bsrc    # no word written by index
     assert mr.TAGS == ("attn", "mlp", "final")

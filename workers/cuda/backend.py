@@ -20,8 +20,10 @@ import numpy as np
 
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
+from .params import ParamWords
+
 REASONS = {1: "eos", 2: "stop", 3: "length", 4: "cancel"}
-N_PARAMS = 72   # words of the host copy of Params (mk_layout.cuh: 60, 65 with several ranks)
+N_PARAMS = 72   # words of the host copy of Params (mk_layout.cuh's struct: 60, 65 with several ranks)
 MAX_STOP, MAX_EOS = 16, 8
 # CuPy events of launches that failed with a CUDA error, or with several ranks (a peer lost, a kccl
 # error; the context may have faulted): kept to the process's end, since destroying them in a faulted
@@ -339,39 +341,29 @@ class CudaBackend(Backend):
     def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg):
         b = self.buf
         ptr = lambda a: 0 if a is None else a.data.ptr
-        vals = [ptr(self.dw.w), ptr(self.dw.norms), ptr(self.dw.fnorm), ptr(self.dw.emb), ptr(self.dw.lm),
-                ptr(kc), ptr(vc), ptr(b["q"]), ptr(b["attp"]), ptr(b["hid"]), ptr(b["part"]), ptr(b["hres"]),
-                ptr(b["logits"]), ptr(b["cand_v"]), ptr(b["cand_i"]), ptr(self.ctr), ptr(self.sortbuf), ptr(dbg),
-                self.ring.ptr, self.status.ptr, self.cancel.ptr]
-        h = np.zeros(N_PARAMS, np.uint64)
-        h[:len(vals)] = vals
+        p = ParamWords(N_PARAMS)       # by the field names of mk_layout.cuh's struct Params
+        for name, a in (("w", self.dw.w), ("norms", self.dw.norms), ("fnorm", self.dw.fnorm), ("emb", self.dw.emb),
+                        ("lm", self.dw.lm), ("kc", kc), ("vc", vc), ("ctr", self.ctr), ("sortbuf", self.sortbuf),
+                        ("dbg_logits", dbg), ("rope", self.rope), ("ws", self.dw.ws), ("bias", self.dw.bias),
+                        *((n, b[n]) for n in ("q", "attp", "hid", "part", "hres", "logits", "cand_v", "cand_i"))):
+            p[name] = ptr(a)
+        p["ring"], p["status"], p["cancel"] = self.ring.ptr, self.status.ptr, self.cancel.ptr
         self._timing = None
         if getattr(self, "_timing_token", None) is not None:
             self._timing = self.cp.zeros((5 * self.cfg.num_hidden_layers + 2, self.nblocks, 5), self.cp.uint64)
-            h[55] = self._timing.data.ptr
-            h.view(np.int64)[56] = int(self._timing_token)
-        h[57] = self.rope.data.ptr
-        h[58] = ptr(self.dw.ws)
-        h[59] = ptr(self.dw.bias)
+            p["timing"], p["timing_token"] = self._timing.data.ptr, int(self._timing_token)
         if self.nranks > 1:
             from .multirank import TAGS
-            h[60] = self.comm.dev_ptr
-            for j, tag in enumerate(TAGS):
-                h.view(np.int64)[61 + j] = self.comm.next_epoch(tag)
-            h[64] = self.buf["yfin"].data.ptr
-        i64 = h.view(np.int64)
-        f64 = h.view(np.float64)
-        i64[21], i64[22], i64[23], i64[24] = start_pos, first, max_new, self.max_seq
-        f64[25], f64[26] = float(sp.temperature), float(sp.top_p)
-        i64[27] = int(sp.top_k)
-        h[28] = np.uint64(int(sp.seed) & ((1 << 64) - 1))
-        dev_stop = stop[:MAX_STOP]
-        dev_eos = eos[:MAX_EOS]
-        i64[29], i64[30] = len(dev_stop), len(dev_eos)
-        for j, s in enumerate(dev_stop):
-            i64[31 + j] = s
-        for j, s in enumerate(dev_eos):
-            i64[47 + j] = s
+            p["kd"] = self.comm.dev_ptr
+            p["e0"] = [self.comm.next_epoch(tag) for tag in TAGS]
+            p["yfin"] = self.buf["yfin"].data.ptr
+        p["start_pos"], p["first_token"], p["max_new"], p["max_seq"] = start_pos, first, max_new, self.max_seq
+        p["temperature"], p["top_p"], p["top_k"] = float(sp.temperature), float(sp.top_p), int(sp.top_k)
+        p["seed"] = int(sp.seed)
+        dev_stop, dev_eos = stop[:MAX_STOP], eos[:MAX_EOS]
+        p["n_stop"], p["stop_ids"] = len(dev_stop), dev_stop
+        p["n_eos"], p["eos_ids"] = len(dev_eos), dev_eos
+        h = p.words
         self._hparams = h              # passed by value at the launch (CFG_PCONST)
         if not self._params_by_value:
             self.params.set(h, stream=self.stream)

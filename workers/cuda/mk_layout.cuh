@@ -100,7 +100,7 @@ __device__ __forceinline__ int wbuf_fill(float* sm, const wt* src, int nunits, i
   return nb;
 }
 
-struct Params {                  // every field 8 bytes; backend.py fills it in this order
+struct Params {   // every field 8 bytes; the one list: params.py reads it and the host packs by name
   const wt* w;                   // 0  layer weights [NL][QKV|WO|W13|W2]
   const float* norms;            // 1  [NL][2][L][D] (attention_norm, ffn_norm)
   const float* fnorm;            // 2  [L][D]
