@@ -178,7 +178,7 @@ class Kernels:
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True,
           extra: dict | None = None, nranks: int = 1, marks: bool = False) -> Kernels:
     """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_NR_WO, CFG_UB_QKV, CFG_UB_WO,
-    CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_BULK, CFG_PF_ATT, CFG_SKEW_NS; several ranks: CFG_MRE); the defaults
+    CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_ATT, CFG_SKEW_NS; several ranks: CFG_MRE); the defaults
     are what the backend uses.
     nranks > 1: the kernel of one rank of the multi-rank backend (cfg: the model's config; nblocks: given
     by the backend)."""

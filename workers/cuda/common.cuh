@@ -44,9 +44,6 @@
 #define CFG_PFS 0           // bytes of its next weights each block copies into shared memory before it waits
                             // (98304 measured slower on H200: 537 vs 656 tokens/s, see docs/monokernel.md)
 #endif
-#ifndef CFG_PF_BULK
-#define CFG_PF_BULK 1       // L2 prefetch through the copy engine (cp.async.bulk.prefetch) instead of per line
-#endif
 #ifndef CFG_NR_WO
 #define CFG_NR_WO 4         // rows per warp unit in the output projection
 #endif
@@ -55,9 +52,6 @@
 #endif
 #ifndef CFG_CTR_STRIDE
 #define CFG_CTR_STRIDE 16   // counters on their own 128-byte lines
-#endif
-#ifndef CFG_SPIN_NS
-#define CFG_SPIN_NS 0       // back-off between polls of a counter (0: spin)
 #endif
 #ifndef CFG_PF_ATT
 #define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)
@@ -209,15 +203,11 @@ __device__ __forceinline__ void st_release(u64* p, u64 v) {
 __device__ __forceinline__ u64 spin_until(const u64* p, u64 target) {   // returns the value that passed
   u64 v;
   while ((v = ld_acquire(p)) < target) {
-#if CFG_SPIN_NS > 0
-    __nanosleep(CFG_SPIN_NS);
-#endif
   }
   return v;
 }
 __device__ __forceinline__ void prefetch_l2(const void* base, long long bytes, long long limit) {
   long long n = bytes < limit ? bytes : limit;
-#if CFG_PF_BULK
   if (threadIdx.x == 0) {
     n &= ~15ll;
     for (long long off = 0; off < n; off += 32768) {
@@ -225,10 +215,6 @@ __device__ __forceinline__ void prefetch_l2(const void* base, long long bytes, l
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((const char*)base + off), "r"(sz) : "memory");
     }
   }
-#else
-  for (long long off = (long long)threadIdx.x * 128; off < n; off += (long long)blockDim.x * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)base + off));
-#endif
 }
 // asynchronous 16-byte copies global -> shared (completed by cp_async_wait_all + a barrier)
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {

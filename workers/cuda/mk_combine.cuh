@@ -61,18 +61,14 @@ __device__ __forceinline__ float pick(const float* a, int n, int k) {
     if (k == r) v = a[r];
   return v;
 }
-// A block's units: warp w starts with unit w; with CFG_WSTEAL each warp that finishes a unit takes the next
-// one not yet taken from a shared-memory queue (*q, set to NW by reset_units before the loop), so the block's
-// warps end within one unit of each other however the memory system serves them; else unit u + NW.
-#ifndef CFG_WSTEAL
-#define CFG_WSTEAL 1   // 2B on one H200: 786.6 / 791.6 / 792.1 against 783.7 / 790.4 / 783.1 without
-#endif
+// A block's units: warp w starts with unit w; each warp that finishes a unit takes the next one not yet
+// taken from a shared-memory queue (*q, set to NW by reset_units before the loop), so the block's warps end
+// within one unit of each other however the memory system serves them (a fixed stride of NW measured slower).
 __shared__ int unit_q;   // the queue of the phase running (W13, WO, W2); each phase ends with a barrier
 __device__ __forceinline__ void reset_units() {   // before the barrier that precedes the phase's unit loop
-  if (CFG_WSTEAL && threadIdx.x == 0) unit_q = NW;
+  if (threadIdx.x == 0) unit_q = NW;
 }
 __device__ __forceinline__ int next_unit(int u, int ua, int* q) {
-  if (!CFG_WSTEAL) return u + NW;
   int k = 0;
   if ((threadIdx.x & 31) == 0) k = atomicAdd(q, 1);
   return ua + __shfl_sync(0xffffffffu, k, 0);
@@ -86,29 +82,8 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, long lo
                                              int nbuf, int l0, const float* cb, const MrPost& mp) {
   constexpr int UPL = D / NR, UE = NR * K;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if constexpr (qpipe_ok<NR, K>()) {   // quantized: the next unit's loads in flight while this one computes
-    QUnit<NR, K> A, B;
-    int u = ua + warp;
-    if (u < ub) qload(p, E + (long long)u * UE, A);
-    while (u < ub) {
-      const int un = next_unit(u, ua, &unit_q);
-      if (un < ub) qload(p, E + (long long)un * UE, B);
-      const int l = u / UPL, r0 = (u % UPL) * NR;
-      float acc[NR];
-      qdot(A, sm + (l - l0) * K, acc);
-      if (lane < NR) {
-        const float pv = pick(acc, NR, lane);
-        combine_finish(p, i, kind, l, r0 + lane, pv, cb + 2 * ((u - ua) * NR + lane));
-        mr_put(mp, l, r0 + lane, pv);
-      }
-      A = B;
-      u = un;
-    }
-    return;
-  }
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL, r0 = (u % UPL) * NR;
-    if (QW && u + NW < ub) prefetch_unit(p, E + (long long)(u + NW) * UE, UE);   // ((l D + r0) K: unit-major)
     float acc[NR];
     if (u - ua < nbuf)
       warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE, NR, sm + (l - l0) * K, acc);
@@ -122,13 +97,10 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, long lo
   }
 }
 
-#ifndef CFG_SIG_FENCE
-#define CFG_SIG_FENCE 0   // 1: also a __threadfence before the release (measured 2% slower)
-#endif
 __device__ __forceinline__ void signal_lanes(const Params& p, int phase, int upl, int a, int b) {
   __syncthreads();
   if (threadIdx.x == 0 && a < b) {
-    if (CFG_SIG_FENCE) __threadfence();   // 0: the red.release after the barrier alone (PTX model: enough)
+    // the red.release after the barrier alone (PTX memory model: enough; a __threadfence measured slower)
     for (int l = a / upl; l <= (b - 1) / upl; ++l) {
       int n = lane_units(l, upl, a, b);
       if (n) red_release(CTR(p, phase * L + l), (u64)n);

@@ -37,16 +37,9 @@ __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
 }
 // dot of one quantized chunk c of a row of K (16 bytes of quants w, its block's scale word sc) with x
 // (planes xp): the integers' dot, then times d (plus m times the sum of x for Q4_1)
-#ifndef CFG_QCHAIN
-#define CFG_QCHAIN 4   // dependent FMA chains in a quantized chunk's dot: 4 (one a word) or 1
-#endif
 #ifndef CFG_QUB
 #define CFG_QUB 8      // at most this many 16-byte loads of quants in flight a lane
 #endif
-#ifndef CFG_QPF_UNIT
-#define CFG_QPF_UNIT 0 // 1: each warp prefetches the unit NW ahead into L2 (prefetch_unit)
-#endif
-constexpr bool QCH1 = CFG_QCHAIN == 1;
 template <int K>
 __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c) {
   constexpr int NC = K / QCW;
@@ -57,7 +50,7 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
     for (int q = 0; q < 4; ++q) {
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const u32 u = v[q] ^ 0x80808080u;
-      float s = fmaf(qbyte(u, 0, 8388736.f), a.x, QCH1 && q ? t[q - 1] : 0.f);
+      float s = fmaf(qbyte(u, 0, 8388736.f), a.x, 0.f);
       s = fmaf(qbyte(u, 1, 8388736.f), a.y, s);
       s = fmaf(qbyte(u, 2, 8388736.f), a.z, s); s = fmaf(qbyte(u, 3, 8388736.f), a.w, s);
       t[q] = s;
@@ -69,7 +62,7 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
       const u32 lo = v[q] & 0x0F0F0F0Fu, hi = (v[q] >> 4) & 0x0F0F0F0Fu;
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
-      float s = fmaf(qbyte(lo, 0, MG), a.x, QCH1 && q ? t[q - 1] : 0.f);
+      float s = fmaf(qbyte(lo, 0, MG), a.x, 0.f);
       s = fmaf(qbyte(lo, 1, MG), a.y, s);
       s = fmaf(qbyte(lo, 2, MG), a.z, s); s = fmaf(qbyte(lo, 3, MG), a.w, s);
       s = fmaf(qbyte(hi, 0, MG), b.x, s); s = fmaf(qbyte(hi, 1, MG), b.y, s);
@@ -78,7 +71,7 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
       if (QW == 3) sx += ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
     }
   }
-  const float s = QCH1 ? t[3] : (t[0] + t[1]) + (t[2] + t[3]);
+  const float s = (t[0] + t[1]) + (t[2] + t[3]);
   float r = hbits2f(sc & 0xffffu) * s;
   if (QW == 3) r = fmaf(hbits2f(sc >> 16), sx, r);
   return r;
@@ -225,71 +218,4 @@ __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long lo
   } else {
     prefetch_l2(p.w + e, wbytes(n), limit);
   }
-}
-// quantized builds: the L2 prefetch of one unit's rows (n elements from e; lines of quants and scales, a
-// lane a line), issued by a warp for the unit NW takes ahead of its own, so that HBM streams the next
-// units while the warps dequantize (the arithmetic of a quantized chunk is 4-8 times a bf16 chunk's)
-__device__ __forceinline__ void prefetch_unit(const Params& p, long long e, long long n) {
-  if constexpr (QW != 0 && CFG_QPF_UNIT) {
-    const int lane = threadIdx.x & 31;
-    const unsigned char* q = reinterpret_cast<const unsigned char*>(p.w) + e * QBITS / 8;
-    const long long nq = (n * QBITS / 8 + 127) / 128;
-    for (long long k = lane; k < nq; k += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(q + k * 128));
-    const unsigned char* sb = reinterpret_cast<const unsigned char*>(p.ws) + e / 32 * QSB;
-    const long long ns = (n / 32 * QSB + 127) / 128;
-    if (lane < ns) asm volatile("prefetch.global.L2 [%0];" ::"l"(sb + lane * 128));
-  }
-}
-
-// ---- quantized rows, software-pipelined (CFG_QPIPE): a warp issues the loads of its next unit before it
-// dequantizes the current one, so the memory system streams while the warps compute. Only for units whose
-// chunks all fit one batch of at most QPIPE_MAX loads a lane (two batches live: 2 x 5 registers a load).
-#ifndef CFG_QPIPE
-#define CFG_QPIPE 0   // 2B Q4_0 on one H200: 967.9 tokens/s against 1078.1 without (2026-12-01)
-#endif
-constexpr int QPIPE_MAX = 6;
-template <int NR, int K>
-struct QUnit {
-  static constexpr int CPL = (K / QCW + 31) / 32;
-  uint4 w[NR][CPL];
-  u32 s[NR][CPL];
-};
-template <int NR, int K>
-__host__ __device__ constexpr bool qpipe_ok() { return QW != 0 && CFG_QPIPE && NR * QUnit<NR, K>::CPL <= QPIPE_MAX; }
-template <int NR, int K>
-__device__ __forceinline__ void qload(const Params& p, long long e, QUnit<NR, K>& q) {
-  constexpr int NCHK = K / QCW, CPL = QUnit<NR, K>::CPL, CPB = 32 / QCW;
-  const int lane = threadIdx.x & 31;
-  const unsigned char* qb = reinterpret_cast<const unsigned char*>(p.w);
-#pragma unroll
-  for (int r = 0; r < NR; ++r)
-#pragma unroll
-    for (int u = 0; u < CPL; ++u) {
-      const int c = u * 32 + lane;
-      if (c < NCHK) {
-        const long long er = e + (long long)r * K;
-        q.w[r][u] = ldw(qb + er * QBITS / 8 + (long long)c * 16);
-        q.s[r][u] = ld_scale(p.ws, er / 32 + c / CPB);
-      } else {
-        q.w[r][u] = make_uint4(0u, 0u, 0u, 0u);
-        q.s[r][u] = 0u;
-      }
-    }
-}
-template <int NR, int K>
-__device__ __forceinline__ void qdot(const QUnit<NR, K>& q, const float* xs, float* out) {
-  constexpr int NCHK = K / QCW, CPL = QUnit<NR, K>::CPL;
-  const int lane = threadIdx.x & 31;
-  float acc[NR];
-#pragma unroll
-  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int u = 0; u < CPL; ++u)
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const int c = u * 32 + lane;
-      if (c < NCHK) acc[r] += dotq<K>(q.w[r][u], q.s[r][u], xs, c);
-    }
-#pragma unroll
-  for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
 }

@@ -88,8 +88,6 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     int r = row, region = 0;
     if (r >= HDL) { r -= HDL; region = 1; if (r >= KVDL) { r -= KVDL; region = 2; } }
     const int hh = r / HD, dd = r % HD;
-    if (QW && u + NW < ub)
-      prefetch_unit(p, E + ((long long)((u + NW) / UPL_QKV) * RQKV + 2 * ((u + NW) % UPL_QKV)) * D, UE_QKV);
     float2 cs = make_float2(1.f, 0.f);
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
@@ -216,24 +214,8 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
                    writer_mask(l0, l1, UPL_W13, ua, ub), red);
   tmark(p, n, ph, 3);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if constexpr (qpipe_ok<2, D>()) {   // quantized: the next unit's loads in flight while this one computes
-    QUnit<2, D> A, B;
-    int u = ua + warp;
-    if (u < ub) qload(p, E + (long long)u * UE_W13, A);
-    while (u < ub) {
-      const int un = next_unit(u, ua, &unit_q);
-      if (un < ub) qload(p, E + (long long)un * UE_W13, B);
-      const int l = u / UPL_W13, j = u % UPL_W13;
-      float acc[2];
-      qdot(A, sm + (l - l0) * D, acc);
-      if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
-      A = B;
-      u = un;
-    }
-  } else
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
-    if (QW && u + NW < ub) prefetch_unit(p, E + (long long)(u + NW) * UE_W13, UE_W13);   // (l FL + j) 2D
     float acc[2];
     if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_W13, 2, sm + (l - l0) * D, acc);
     else wdot<2, D>(p, E + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
