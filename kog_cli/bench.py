@@ -21,6 +21,7 @@ import time
 
 from kog_dist.shapes import SHAPES, shape_config
 from workers.cuda.device import cupy_copy_bandwidth, device_name
+from workers.factory import STORE_NAMES
 
 
 def _say(msg: str) -> None:
@@ -44,7 +45,6 @@ def _commit() -> str:
 
 # --dtype -> the backend's storage (workers.cuda.weights.split_dtype): quantized types keep the embedding,
 # LM head and KV cache in bf16
-STORAGE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 def finish_rows(mk: dict, bw: float) -> None:
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--shape", help=f"a named shape with random weights made on the device ({', '.join(SHAPES)})")
     ap.add_argument("--dtype", default=None,
-                    help=f"storage ({', '.join(STORAGE)}); comma separated: one row each, in the same run (--shape "
+                    help=f"storage ({', '.join(STORE_NAMES)}); comma separated: one row each, in the same run (--shape "
                          "default bf16; --model default: the checkpoint's own, a Q8_0/Q4_0/Q4_1 GGUF as it is)"),
     ap.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
     ap.add_argument("--pp", type=int, default=1024, help="prompt tokens for the prefill / TTFT row")
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     report["copy_bandwidth_GBps"] = bw / 1e9
     _say(f"copy bandwidth {bw / 1e9:.0f} GB/s ({'torch' if have_torch else 'cupy'})")
     need = max(args.pp + 1, args.prompt + args.gen, args.ctx)
-    dtypes = [STORAGE[d] for d in args.dtype.split(",")] if args.dtype else [None]
+    dtypes = [STORE_NAMES[d] for d in args.dtype.split(",")] if args.dtype else [None]
     src = None
     if args.shape:
         cfg = shape_config(args.shape)
@@ -287,8 +287,8 @@ def _check_sizes(args) -> str | None:
     if args.shape is not None and args.shape not in SHAPES:
         return f"unknown shape {args.shape!r} (known: {', '.join(SHAPES)})"
     for d in (args.dtype or "").split(",") if args.dtype else ():
-        if d not in STORAGE:
-            return f"unknown --dtype {d!r} (known: {', '.join(STORAGE)})"
+        if d not in STORE_NAMES:
+            return f"unknown --dtype {d!r} (known: {', '.join(STORE_NAMES)})"
     if args.ctx and args.ctx_gen >= args.ctx:
         return f"--ctx-gen ({args.ctx_gen}) must be below --ctx ({args.ctx}): the row decodes at that context"
     return None
@@ -321,7 +321,7 @@ def _emit(report: dict, args) -> int:
 
 
 def _dt_name(dtype: str) -> str:
-    return {v: k for k, v in STORAGE.items()}.get(dtype, dtype.lower())
+    return {v: k for k, v in STORE_NAMES.items()}.get(dtype, dtype.lower())
 
 
 def table(r: dict) -> str:

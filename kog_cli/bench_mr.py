@@ -38,7 +38,8 @@ def run_rank(args, say, emit) -> int:
 
     from kccl import Communicator
     from kccl.mpi_plain import allgather_json, forbid_pickle
-    from kog_cli.bench import STORAGE, _commit, finish_rows, measure
+    from kog_cli.bench import _commit, finish_rows, measure
+    from workers.factory import STORE_NAMES
     from kog_dist.shapes import shape_config
     from workers.cuda.device import cupy_copy_bandwidth, device_name
     from kog_dist.config import load_config
@@ -63,7 +64,7 @@ def run_rank(args, say, emit) -> int:
     view = mr.RankView(cfg, rank, n)
     on_dev = comm.bus_ids.count(comm.bus_ids[rank])
     gpus = len(set(comm.bus_ids))
-    dtype = STORAGE[args.dtype or "bf16"]
+    dtype = STORE_NAMES[args.dtype or "bf16"]
     extra = dict(d.split("=", 1) for d in args.define)
     sms = dev.attributes["MultiProcessorCount"]
     nb = args.nblocks or mr.blocks_per_rank(view, sms, on_dev)

@@ -62,8 +62,8 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
     return "cuda", None
 
 
-STORE_NAMES = {"bf16": "BF16", "fp16": "F16", "f16": "F16", "fp32": "F32", "f32": "F32",
-               "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+# --dtype names -> the backends' storage types (kog generate, kog-worker, kog serve, kog bench)
+STORE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=None,
