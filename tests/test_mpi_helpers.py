@@ -48,6 +48,8 @@ def test_a_launch_with_the_root_variables_runs(tmp_path):
     """MPICH's hydra ignores Open MPI's root variables: the same environment serves both launchers."""
     if not mpi_helpers.have_mpiexec():
         pytest.skip("no mpiexec")
-    res = mpi_helpers.run_mpi(2, code="from mpi4py import MPI; print('OK', MPI.COMM_WORLD.rank)", timeout=60,
+    # one write a rank: under PYTHONUNBUFFERED (CI) print's pieces of two ranks can interleave ("OKOK 0 1")
+    code = "import sys; from mpi4py import MPI; sys.stdout.write(f'OK {MPI.COMM_WORLD.rank}\\n')"
+    res = mpi_helpers.run_mpi(2, code=code, timeout=60,
                               env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     assert res.returncode == 0 and res.marks("OK") == [0, 1], res.output
