@@ -1,5 +1,6 @@
-"""Finding `mpiexec`, the environment it needs as root, and telling whether this process already runs
-under an MPI launcher.
+"""Finding `mpiexec`, the environment it needs as root, telling whether this process already runs
+under an MPI launcher, and what differs between MPICH's and Open MPI's launchers (``flavor``,
+``keep_survivors_args``, ``RANK_ENV``): the one place that knows.
 
 The `mpich` wheel from PyPI installs `mpiexec` next to the interpreter (its scripts folder), so that
 one is preferred to whatever PATH offers (a pyenv shim, or a system MPI that mpi4py was not built for).
@@ -7,10 +8,14 @@ one is preferred to whatever PATH offers (a pyenv shim, or a system MPI that mpi
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
+import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 
 _LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
                  "HYDI_CONTROL_FD")
@@ -51,3 +56,101 @@ def launcher_env(env=None, *, root: bool | None = None) -> dict:
     if is_root() if root is None else root:
         out.update(ROOT_ENV)
     return out
+
+
+# The variable each launcher sets to the rank's number in the world (rank_of reads any of them).
+RANK_ENV = {"mpich": "PMI_RANK", "openmpi": "OMPI_COMM_WORLD_RANK"}
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """Which implementation an mpiexec belongs to: kind 'mpich' or 'openmpi', its version (0, 0) when
+    the --version text gave none."""
+    kind: str
+    version: tuple[int, int] = (0, 0)
+
+
+def parse_flavor(version_text: str) -> Flavor | None:
+    """Flavor from an mpiexec's --version output: hydra ("HYDRA build details: Version: 4.2.0"),
+    Open MPI 4 ("mpiexec (OpenRTE) 4.1.6"), Open MPI 5 ("mpiexec (Open MPI) 5.0.11"); None otherwise."""
+    t = version_text.lower()
+    if "open mpi" in t or "openrte" in t or "open-mpi.org" in t or "prrte" in t:
+        kind = "openmpi"
+        m = re.search(r"\((?:open ?mpi|openrte)\)\s*v?(\d+)\.(\d+)", t) or re.search(r"(\d+)\.(\d+)", t)
+    elif "hydra" in t or "mpich" in t or "intel(r) mpi" in t:
+        kind = "mpich"
+        m = re.search(r"version:\s*(\d+)\.(\d+)", t)
+    else:
+        return None
+    return Flavor(kind, (int(m.group(1)), int(m.group(2))) if m else (0, 0))
+
+
+@functools.lru_cache(maxsize=8)
+def _flavor_of(path: str) -> Flavor:
+    try:
+        p = subprocess.run([path, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, text=True, timeout=30, env=launcher_env())
+        text = p.stdout or ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"{path} --version failed: {e}") from None
+    got = parse_flavor(text)
+    if got is None:
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "no output")
+        raise RuntimeError(f"{path} is neither MPICH's nor Open MPI's mpiexec ({first})")
+    return got
+
+
+def flavor(mpiexec: str | None = None) -> Flavor:
+    """The implementation of `mpiexec` (default find_mpiexec()), from its --version (asked once)."""
+    return _flavor_of(mpiexec or find_mpiexec())
+
+
+def keep_survivors_args(fl: Flavor) -> list[str]:
+    """mpiexec flags that leave the other ranks running when one rank dies, so that rank 0 can tell
+    its clients (backend_failed) and end the job itself.
+
+    MPICH's hydra: -disable-auto-cleanup (a rank that dies *of a signal* still gets the others
+    SIGKILLed by hydra's proxy: workers/keeper.py turns such a death into an exit code). Open MPI 4
+    (ORTE): orte_abort_on_non_zero_status 0 makes mpirun treat both a non-zero exit and a death by a
+    signal as a normal end of that process (errmgr default_hnp); mpirun still exits non-zero. Open
+    MPI 5 (PRRTE): `--runtime-options recoverable`: a rank killed by a signal no longer ends the
+    job (measured with 5.0.11, whose mpirun then exits with rank 0's status); a non-zero exit still
+    does, which here only ever follows the failure rank 0 already reported."""
+    if fl.kind == "mpich":
+        return ["-disable-auto-cleanup"]
+    if fl.kind == "openmpi":
+        if fl.version >= (5, 0):
+            return ["--runtime-options", "recoverable"]
+        return ["--mca", "orte_abort_on_non_zero_status", "0"]
+    raise ValueError(f"unknown MPI flavor {fl.kind!r}")
+
+
+def rank_of(env) -> int | None:
+    """The world rank a launcher gave the process whose environment is `env` (str or bytes keys and
+    values, e.g. parsed from /proc/PID/environ), or None."""
+    for name in RANK_ENV.values():
+        for key in (name, name.encode()):
+            if key in env:
+                try:
+                    return int(env[key])
+                except (TypeError, ValueError):
+                    return None
+    return None
+
+
+def mpiexec_command(n: int, *, keep_survivors: bool = False, mpiexec: str | None = None,
+                    cores: int | None = None) -> list[str]:
+    """`mpiexec -n N` with what its flavor needs to behave as hydra does by default: Open MPI gets
+    --bind-to none (hydra binds nothing; the ranks place themselves) and --oversubscribe when N
+    exceeds the cores this process may use (it refuses to start more ranks than slots otherwise).
+    keep_survivors adds keep_survivors_args."""
+    path = mpiexec or find_mpiexec()
+    fl = flavor(path)
+    cmd = [path, "-n", str(n)]
+    if fl.kind == "openmpi":
+        cmd += ["--bind-to", "none"]
+        if n > (cores if cores is not None else len(os.sched_getaffinity(0))):
+            cmd.append("--oversubscribe")
+    if keep_survivors:
+        cmd += keep_survivors_args(fl)
+    return cmd

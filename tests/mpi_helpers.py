@@ -23,7 +23,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from kccl.mpirun import find_mpiexec, launcher_env  # noqa: E402
+from kccl.mpirun import find_mpiexec, flavor, launcher_env, mpiexec_command  # noqa: E402,F401
 
 
 class MpiTimeout(AssertionError):
@@ -112,7 +112,8 @@ def mpi_env(extra: dict | None = None) -> dict:
     env = launcher_env()
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    for name in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
+    for name in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
         env.pop(name, None)  # a nested launch must not look like a rank of an outer one
     env.update(extra or {})
     return env
@@ -123,14 +124,13 @@ def run_mpi(n: int, script: str | None = None, *, code: str | None = None, args=
             auto_cleanup: bool = True) -> MpiResult:
     """Run `python script args` (or `python -c code args`) on n ranks; never hangs past `timeout`.
 
-    auto_cleanup=False passes -disable-auto-cleanup (MPICH hydra): when one rank dies, the others
-    are left running instead of being SIGKILLed, so tests can watch how they notice.
+    auto_cleanup=False passes the launcher's flags for keeping survivors (kccl.mpirun.keep_survivors_args:
+    MPICH's -disable-auto-cleanup, Open MPI's equivalent): when one rank dies, the others are left
+    running instead of being killed, so tests can watch how they notice.
     """
     if (script is None) == (code is None):
         raise ValueError("give exactly one of script, code")
-    cmd = [find_mpiexec(), "-n", str(n)]
-    if not auto_cleanup:
-        cmd.append("-disable-auto-cleanup")
+    cmd = mpiexec_command(n, keep_survivors=not auto_cleanup)
     cmd += list(mpiexec_args)
     cmd += [sys.executable] + ([script] if script else ["-c", code]) + [str(a) for a in args]
     start = time.monotonic()
@@ -146,8 +146,9 @@ def run_mpi(n: int, script: str | None = None, *, code: str | None = None, args=
 
 
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
-    """Stop a launch: SIGINT to mpiexec (hydra then kills every rank; they run in sessions of their
-    own, out of reach of killpg), SIGKILL to its process group if it is still there after 3 s."""
+    """Stop a launch: SIGINT to mpiexec (hydra then kills every rank, which run in sessions of their
+    own, out of reach of killpg; Open MPI's mpirun kills them and removes their /dev/shm segments),
+    SIGKILL to its process group if it is still there after 3 s."""
     try:
         proc.send_signal(signal.SIGINT)
         return proc.communicate(timeout=3)

@@ -53,3 +53,57 @@ def test_a_launch_with_the_root_variables_runs(tmp_path):
     res = mpi_helpers.run_mpi(2, code=code, timeout=60,
                               env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     assert res.returncode == 0 and res.marks("OK") == [0, 1], res.output
+
+
+HYDRA = "HYDRA build details:\n    Version:                                 4.2.0\n    Release Date: ...\n"
+ORTE = "mpiexec (OpenRTE) 4.1.6\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
+PRRTE = "mpiexec (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
+
+
+def test_flavor_and_the_flags_that_keep_survivors():
+    from kccl.mpirun import Flavor, keep_survivors_args, parse_flavor
+    assert parse_flavor(HYDRA) == Flavor("mpich", (4, 2))
+    assert parse_flavor(ORTE) == Flavor("openmpi", (4, 1))
+    assert parse_flavor(PRRTE) == Flavor("openmpi", (5, 0))
+    assert parse_flavor("srun: slurm 23.02") is None
+    assert keep_survivors_args(parse_flavor(HYDRA)) == ["-disable-auto-cleanup"]
+    assert keep_survivors_args(parse_flavor(ORTE)) == ["--mca", "orte_abort_on_non_zero_status", "0"]
+    assert keep_survivors_args(parse_flavor(PRRTE)) == ["--runtime-options", "recoverable"]
+
+
+def test_rank_of_reads_either_launchers_variable():
+    from kccl.mpirun import rank_of
+    assert rank_of({"PMI_RANK": "3"}) == 3
+    assert rank_of({b"OMPI_COMM_WORLD_RANK": b"1", b"PATH": b"/bin"}) == 1
+    assert rank_of({"PATH": "/bin"}) is None
+
+
+def test_mpiexec_command_of_each_flavor(tmp_path):
+    """Open MPI gets hydra's defaults spelled out (no binding; more ranks than cores allowed); the
+    flavor comes from the launcher's own --version (fake launchers here)."""
+    from kccl.mpirun import mpiexec_command
+    for name, text in (("hydra", HYDRA), ("orte", ORTE)):
+        fake = tmp_path / name
+        fake.write_text(f"#!/bin/sh\ncat <<'X'\n{text}X\n")
+        fake.chmod(0o755)
+    assert mpiexec_command(4, mpiexec=str(tmp_path / "hydra"), cores=2) == [str(tmp_path / "hydra"), "-n", "4"]
+    assert mpiexec_command(4, keep_survivors=True, mpiexec=str(tmp_path / "orte"), cores=2) == [
+        str(tmp_path / "orte"), "-n", "4", "--bind-to", "none", "--oversubscribe",
+        "--mca", "orte_abort_on_non_zero_status", "0"]
+    assert "--oversubscribe" not in mpiexec_command(2, mpiexec=str(tmp_path / "orte"), cores=2)
+
+
+def test_keep_survivors_leaves_the_others_running(tmp_path):
+    """What the tests' auto_cleanup=False relies on, with this machine's mpiexec: rank 1 dies, rank 0
+    goes on and ends the job itself, and the launcher still exits non-zero. Rank 1 dies as a
+    kog-worker rank does: of SIGKILL under Open MPI, as exit 137 under MPICH (hydra SIGKILLs every
+    rank when one dies of a signal; workers/keeper.py turns that death into this exit code)."""
+    if not mpi_helpers.have_mpiexec():
+        pytest.skip("no mpiexec")
+    code = ("import os, signal, sys, time; from mpi4py import MPI; w = MPI.COMM_WORLD; w.Barrier()\n"
+            "if w.rank == 1:\n"
+            "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'openmpi' else os._exit(137)\n"
+            "time.sleep(1.5); sys.stdout.write(f'SURVIVED {w.rank}\\n'); sys.stdout.flush(); os._exit(1)\n")
+    kind = mpi_helpers.flavor().kind
+    res = mpi_helpers.run_mpi(2, code=code, args=(kind,), timeout=60, auto_cleanup=False)
+    assert res.marks("SURVIVED") == [0] and res.returncode != 0, res.output
