@@ -1,9 +1,11 @@
 """A frozen rank (SIGSTOP) under the real mpiexec: its heartbeat stops, rank 0 tells every client
 backend_failed naming the rank within 5 s, and the whole job (the frozen rank too) is gone within
-10 s with nothing left in /dev/shm; with hydra's default cleanup and with -disable-auto-cleanup. A
-rank SIGKILLed under -disable-auto-cleanup reaches the clients as backend_failed too, not as a lost
-server: hydra's proxy SIGKILLs every rank as soon as one dies *of a signal*, so each rank runs under
-a keeper process that turns that death into an exit code (workers/keeper.py)."""
+10 s with nothing left in /dev/shm; with the launcher's default cleanup and with the flags that keep
+survivors (kccl.mpirun.keep_survivors_args: MPICH's -disable-auto-cleanup, Open MPI's MCA or runtime
+option). A rank SIGKILLed with survivors kept reaches the clients as backend_failed too, not as a
+lost server: under MPICH hydra's proxy SIGKILLs every rank as soon as one dies *of a signal*, so each
+rank runs under a keeper process that turns that death into an exit code (workers/keeper.py); Open
+MPI's flag leaves them running by itself."""
 from __future__ import annotations
 
 import os
@@ -56,7 +58,7 @@ def _expect_backend_failed(streams, rank, t0, within):
     assert took < within, f"clients told after {took:.1f} s"
 
 
-@pytest.mark.parametrize("auto_cleanup", [True, False], ids=["hydra-cleanup", "survivors-kept"])
+@pytest.mark.parametrize("auto_cleanup", [True, False], ids=["launcher-cleanup", "survivors-kept"])
 def test_sigstopped_rank_mid_decode(model, prefix, auto_cleanup):
     job = Job(model, 2, auto_cleanup=auto_cleanup)
     try:
@@ -71,6 +73,7 @@ def test_sigstopped_rank_mid_decode(model, prefix, auto_cleanup):
         assert wait_until(lambda: not any(_alive(p) for p in job.pids), max(0.5, t0 + 10 - time.monotonic())), \
             f"processes left behind 10 s after the freeze\n{job.output()}"
         assert not _left_in_shm(prefix)
+        job.assert_gone(within=0.5)      # and the MPI library's own segments are gone too
         out = job.output()
         assert "Traceback" not in out and "rank 1" in out and "stopped responding" in out, out
     finally:
