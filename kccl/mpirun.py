@@ -110,18 +110,28 @@ def keep_survivors_args(fl: Flavor) -> list[str]:
     its clients (backend_failed) and end the job itself.
 
     MPICH's hydra: -disable-auto-cleanup (a rank that dies *of a signal* still gets the others
-    SIGKILLed by hydra's proxy: workers/keeper.py turns such a death into an exit code). Open MPI 4
-    (ORTE): orte_abort_on_non_zero_status 0 makes mpirun treat both a non-zero exit and a death by a
-    signal as a normal end of that process (errmgr default_hnp); mpirun still exits non-zero. Open
-    MPI 5 (PRRTE): `--runtime-options recoverable`: a rank killed by a signal no longer ends the
-    job (measured with 5.0.11, whose mpirun then exits with rank 0's status); a non-zero exit still
-    does, which here only ever follows the failure rank 0 already reported."""
+    SIGKILLed by hydra's proxy: workers/keeper.py turns such a death into an exit code).
+
+    Open MPI 5 (PRRTE): `--runtime-options recoverable`: a rank killed by a signal no longer ends
+    the job, and mpirun exits with the status of the ranks that exit (measured with 5.0.11); a
+    non-zero exit still ends it, which here only follows the failure rank 0 already reported.
+
+    Open MPI 4 (ORTE) has no such mode that works: with orte_abort_on_non_zero_status 0 the others
+    live on, but once a rank has died of a signal mpirun never exits after the last rank left with a
+    non-zero status (measured with 4.1.8: hangs), and --enable-recovery makes mpirun exit 0 whatever
+    the ranks did. So it keeps the default (the job is ended when a rank dies) and stretches the
+    ending: mpirun sends SIGCONT, waits odls_base_sigkill_timeout (default 1 s), SIGTERM, waits
+    again, SIGKILL, and waits out both even when the ranks are gone already. At 2 s rank 0 has 2 s
+    undisturbed (it sees a dead rank within a second: kccl, or its heartbeat check) and 2 more after
+    the SIGTERM, which it takes for a failed peer first (kog_dist/coordinator.py); the job is over
+    ~4 s after the last rank left, within the 10 s a frozen rank (found at 3 s) is allowed; 5 s
+    made that 13 s. mpirun still exits non-zero."""
     if fl.kind == "mpich":
         return ["-disable-auto-cleanup"]
     if fl.kind == "openmpi":
         if fl.version >= (5, 0):
             return ["--runtime-options", "recoverable"]
-        return ["--mca", "orte_abort_on_non_zero_status", "0"]
+        return ["--mca", "odls_base_sigkill_timeout", "2"]
     raise ValueError(f"unknown MPI flavor {fl.kind!r}")
 
 

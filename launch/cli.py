@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from kccl.mpirun import is_root
+from kccl.mpirun import Flavor, is_root, keep_survivors_args, parse_flavor
 
 LAUNCHERS = ("mpich", "openmpi", "srun")
 CHOICES = ("auto", "mpi") + LAUNCHERS   # "mpi": mpiexec/mpirun of MPICH or Open MPI, never srun
@@ -60,11 +60,10 @@ def _version_output(exe: str, env: Mapping[str, str]) -> str:
 
 def classify(version_text: str) -> Optional[str]:
     """'mpich', 'openmpi' or None from a launcher's --version output."""
+    fl = parse_flavor(version_text)       # MPICH or Open MPI: kccl.mpirun knows their texts
+    if fl is not None:
+        return fl.kind
     t = version_text.lower()
-    if "open mpi" in t or "openrte" in t or "open-mpi.org" in t or "prrte" in t:
-        return "openmpi"
-    if "hydra" in t or "mpich" in t or "intel(r) mpi" in t:
-        return "mpich"
     if re.search(r"\bslurm\b", t):
         return "srun"
     return None
@@ -119,8 +118,11 @@ def available_cores() -> int:
 def build_command(launcher: Launcher, np: int, cmd: Sequence[str], *,
                   cores: Optional[int] = None, root: Optional[bool] = None,
                   srun_mpi: str = "pmi2", env: Optional[Mapping[str, str]] = None,
-                  extra: Sequence[str] = ()) -> list[str]:
-    """The full command line: launcher, its flags, then ``cmd``."""
+                  extra: Sequence[str] = (), keep_survivors: bool = False) -> list[str]:
+    """The full command line: launcher, its flags, then ``cmd``. keep_survivors (a server's ranks):
+    when one rank dies, MPICH and Open MPI leave the others running (kccl.mpirun.keep_survivors_args),
+    so that rank 0 tells its clients backend_failed and ends the job itself; srun's
+    --kill-on-bad-exit is kept (it SIGTERMs, which rank 0 takes for a failed peer first)."""
     if np < 1:
         raise LaunchError(f"--np must be >= 1 (got {np})")
     if not cmd:
@@ -148,6 +150,8 @@ def build_command(launcher: Launcher, np: int, cmd: Sequence[str], *,
             out.append("--overcommit")
     else:  # pragma: no cover
         raise LaunchError(f"unknown launcher kind {k!r}")
+    if keep_survivors and k in ("mpich", "openmpi"):
+        out += keep_survivors_args(parse_flavor(launcher.version) or Flavor(k))
     return out + list(extra) + list(cmd)
 
 

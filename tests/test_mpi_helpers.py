@@ -67,7 +67,7 @@ def test_flavor_and_the_flags_that_keep_survivors():
     assert parse_flavor(PRRTE) == Flavor("openmpi", (5, 0))
     assert parse_flavor("srun: slurm 23.02") is None
     assert keep_survivors_args(parse_flavor(HYDRA)) == ["-disable-auto-cleanup"]
-    assert keep_survivors_args(parse_flavor(ORTE)) == ["--mca", "orte_abort_on_non_zero_status", "0"]
+    assert keep_survivors_args(parse_flavor(ORTE)) == ["--mca", "odls_base_sigkill_timeout", "2"]
     assert keep_survivors_args(parse_flavor(PRRTE)) == ["--runtime-options", "recoverable"]
 
 
@@ -89,7 +89,7 @@ def test_mpiexec_command_of_each_flavor(tmp_path):
     assert mpiexec_command(4, mpiexec=str(tmp_path / "hydra"), cores=2) == [str(tmp_path / "hydra"), "-n", "4"]
     assert mpiexec_command(4, keep_survivors=True, mpiexec=str(tmp_path / "orte"), cores=2) == [
         str(tmp_path / "orte"), "-n", "4", "--bind-to", "none", "--oversubscribe",
-        "--mca", "orte_abort_on_non_zero_status", "0"]
+        "--mca", "odls_base_sigkill_timeout", "2"]
     assert "--oversubscribe" not in mpiexec_command(2, mpiexec=str(tmp_path / "orte"), cores=2)
 
 
