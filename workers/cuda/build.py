@@ -50,8 +50,28 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
         "CFG_THETA": repr(float(cfg.rope_theta)), "CFG_EPS": repr(float(cfg.norm_eps)) + "f",
         "CFG_NB": nblocks, "CFG_PF": prefetch, "CFG_SKEW_NS": skew_ns(cfg, dtype),
         "CFG_UB_QKV": qkv_loads(nranks), "CFG_MARKS": int(marks),
-        "CFG_PCONST": 1, **(extra or {}),
+        "CFG_PCONST": 1, **one_lane_units(cfg, qtype, base, nblocks), **(extra or {}),
     }
+
+
+def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
+    """One-lane models (Llama-family checkpoints, one rank): every phase waits for all blocks of the one
+    before, so a phase must keep every warp busy: one-row units in W2 (CFG_NR_W2; 2 for several lanes) and
+    one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
+    into shared memory before each wait (CFG_PFS; bf16 / fp16 / fp32 only). Measured on one H200,
+    2026-12-02, 128 + 512 tokens, medians of 3, interleaved (BENCHMARKS.md): SmolLM2-135M shape 1676 ->
+    1799 tokens/s with the shared-memory copy (and 64-position attention chunks, the kernel's one-lane
+    default) -> 1867 with NR_WO 1 and NR_W2 1 (NR_W2 1 with NR_WO 4: 1765, NR_WO 2: 1818); Llama-3.2-1B
+    shape 1034 -> 1086 with NR_W2 1 and NR_WO 2 (NR_W2 1 alone 1065; the shared-memory copy 921: its
+    layers are 17x larger)."""
+    if cfg.num_lanes != 1:
+        return {}
+    out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
+    layer_bytes = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+                   + 3 * cfg.hidden_size * cfg.intermediate_size) * (4 if base == "F32" else 2)
+    if not qtype and layer_bytes / nblocks <= 128 * 1024:
+        out["CFG_PFS"] = 65536
+    return out
 
 
 def qkv_loads(nranks: int = 1) -> int:
@@ -126,15 +146,19 @@ def check_shape(cfg, dtype: str, nblocks: int | None = None) -> None:
 SMEM_LIMIT = 225 * 1024
 
 
-def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 512, norm2: bool = True) -> int:
-    """The monokernel's dynamic shared memory (mk_layout.cuh SM_FLOATS * 4, without CFG_PFS): the inputs of
+def smem_bytes(cfg, dtype: str, nblocks: int, nthreads: int = 512, norm2: bool = True) -> int:
+    """The monokernel's dynamic shared memory (mk_layout.cuh SM_FLOATS * 4; the build's defaults): the inputs of
     the lanes a block touches in a phase (its staging area), the combine staging of its rows, the
     attention scratch, the LM head's input; plus the norm weights of stage_norms2 (NORM2)."""
+    from .weights import split_dtype
+    qtype, base = split_dtype(dtype)
+    units = one_lane_units(cfg, qtype, base, nblocks)
+    nr_wo, nr_w2, pfs = units.get("CFG_NR_WO", 4), units.get("CFG_NR_W2", 2), units.get("CFG_PFS", 0)
     D, L, HD, nw = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, nthreads // 32
     hdl, fl = cfg.heads_per_lane * HD, cfg.ffn_per_lane
     rq = hdl + 2 * (cfg.kv_heads // L) * HD
     G = cfg.num_attention_heads // cfg.kv_heads
-    nr_wo = nr_wo if D % nr_wo == 0 else 4
+    nr_wo, nr_w2 = (nr_wo if D % nr_wo == 0 else 4), (nr_w2 if D % nr_w2 == 0 else 2)
 
     def spanned(U, upl):
         m = 1
@@ -145,13 +169,13 @@ def smem_bytes(cfg, dtype: str, nblocks: int, nr_wo: int = 4, nthreads: int = 51
         return m
 
     stage = max(spanned(L * rq // 2, rq // 2) * D, spanned(L * fl, fl) * D,
-                spanned(L * D // nr_wo, D // nr_wo) * hdl, spanned(L * D // 2, D // 2) * fl)
-    cb_rows = -(-L * D // nblocks) + 2 * nr_wo + 4
+                spanned(L * D // nr_wo, D // nr_wo) * hdl, spanned(L * D // nr_w2, D // nr_w2) * fl)
+    cb_rows = -(-L * D // nblocks) + 2 * nr_wo + 2 * nr_w2
     att = G * HD + nw * G * HD + 2 * nw * G
     main = max(max(stage, att) + 2 * cb_rows, D) + 144
     norm2 = (norm2 and spanned(L * rq // 2, rq // 2) <= 2 and spanned(L * fl, fl) <= 2 and min(L, 8) >= 2
              and D % 4 == 0)
-    return (-(-main // 4) * 4 + (2 * D if norm2 else 0)) * 4
+    return (-(-main // 4) * 4 + pfs // 4 + (2 * D if norm2 else 0)) * 4
 
 
 class Kernels:

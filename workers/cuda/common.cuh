@@ -47,6 +47,9 @@
 #ifndef CFG_NR_WO
 #define CFG_NR_WO 4         // rows per warp unit in the output projection
 #endif
+#ifndef CFG_NR_W2
+#define CFG_NR_W2 2         // rows per warp unit in the down projection
+#endif
 #ifndef CFG_UBMAX
 #define CFG_UBMAX 12        // 16-byte loads in flight per lane in a row dot (over all its rows)
 #endif

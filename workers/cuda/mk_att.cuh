@@ -10,9 +10,6 @@
 // 2B shape's 48 + 64 registers of loads came back in four waves of L2 round trips after the wait.
 #pragma once
 
-constexpr int VCH = HD / VEC;                                  // 16-byte chunks of a key / value row
-constexpr int KL = VCH % 4 == 0 ? 4 : (VCH % 2 == 0 ? 2 : 1);  // lanes of a key row
-constexpr int KC = VCH / KL, PPW = 32 / KL;                     // its chunks a lane; positions a warp and pass
 constexpr int VS = 32 / VCH, VQ = (PPW + VS - 1) / VS;          // value slots (lane = slot * VCH + chunk); rows a slot
 struct AttRows {
   uint4 k[KC];
@@ -110,15 +107,14 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
   float* wacc = sm + G * HD;             // [NW][G][HD]
   float* wm = wacc + NW * G * HD;        // [NW][G]
   float* wl = wm + NW * G;               // [NW][G]
-  const int lo = sliding(i) ? max(0, t - SW + 1) : 0;
-  const int nvis = t - lo + 1;
-  const int CH = (nvis + NCH - 1) / NCH;
   const float scale = 1.0f / sqrtf((float)HD);
   const int ch = lane % VCH;
   int waited = -1;
   for (int u = ua; u < ub; ++u) {
     const int g = u / NCH, c = u % NCH, l = g / KVL;
-    const int cs = lo + c * CH, ce = min(cs + CH, t + 1);
+    int cs, ce;
+    att_chunk(i, t, c, cs, ce);
+    if (ce <= cs) continue;                 // a chunk not in use at this position (its unit still counts)
     const wt* kb = p.kc + ((long long)i * KV + g) * p.max_seq * HD;
     const wt* vb = p.vc + ((long long)i * KV + g) * p.max_seq * HD;
     constexpr int STEP = NW * PPW;

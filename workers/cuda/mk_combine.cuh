@@ -156,10 +156,18 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
 #ifndef CFG_PF_KV
 #define CFG_PF_KV 65536   // bytes of keys (and of values) per attention unit; 0: off (719 vs 728 tok/s)
 #endif
-// positions [cs, ce) of attention chunk c at position t of layer i
+// the attention chunks at position t of layer i: the first position lo, positions a chunk CH; returns the
+// chunks with positions (attention writes those, WO merges those)
+__device__ __forceinline__ int att_split(int i, int t, int& lo, int& CH) {
+  lo = sliding(i) ? max(0, t - SW + 1) : 0;
+  const int nvis = t - lo + 1, nch = min(NCH, (nvis + ATT_MINPOS - 1) / ATT_MINPOS);
+  CH = (nvis + nch - 1) / nch;
+  return (nvis + CH - 1) / CH;
+}
+// positions [cs, ce) of attention chunk c at position t of layer i (empty for a chunk not in use)
 __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce) {
-  const int lo = sliding(i) ? max(0, t - SW + 1) : 0;
-  const int CH = (t - lo + 1 + NCH - 1) / NCH;
+  int lo, CH;
+  att_split(i, t, lo, CH);
   cs = lo + c * CH;
   ce = min(cs + CH, t + 1);
 }

@@ -24,12 +24,24 @@ constexpr int LG = L;
 #endif
 
 // ---- units and weight layout (elements of wt), see workers/cuda/README.md -----------------------
-constexpr int NCH = (NB / KV) > 0 ? (NB / KV) : 1;         // attention chunks per kv head
+constexpr int NCH = (NB / KV) > 0 ? (NB / KV) : 1;         // attention chunks per kv head (at most)
+// attention (mk_att.cuh): a warp takes PPW positions a pass, KL lanes a key row (KC 16-byte chunks each)
+constexpr int VCH = HD / VEC;                                  // 16-byte chunks of a key / value row
+constexpr int KL = VCH % 4 == 0 ? 4 : (VCH % 2 == 0 ? 2 : 1);  // lanes of a key row
+constexpr int KC = VCH / KL, PPW = 32 / KL;                     // its chunks a lane; positions a warp and pass
+#ifndef CFG_ATT_MINPOS
+#define CFG_ATT_MINPOS 0   // positions a chunk has at least (0: one lane NW * PPW / 2, else 1)
+#endif
+// With one lane, chunks in use at a position: about what half the block's warps take in one pass, so
+// that WO, whose every block merges all chunks of all heads, merges few (44 chunks of 15 positions at
+// t = 640 made the merge a fifth of a layer). With several lanes every chunk (the 2B shape's 8 a kv head)
+// is in use, as before: fewer there measured neutral.
+constexpr int ATT_MINPOS = CFG_ATT_MINPOS > 0 ? CFG_ATT_MINPOS : (L == 1 ? NW * PPW / 2 : 1);
 constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
 constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
 constexpr int NR_WO = (D % CFG_NR_WO == 0) ? CFG_NR_WO : 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
 constexpr int UPL_W13 = FL, U_W13 = L * FL;
-constexpr int NR_W2 = 2, UPL_W2 = D / NR_W2, U_W2 = L * UPL_W2;
+constexpr int NR_W2 = (D % CFG_NR_W2 == 0) ? CFG_NR_W2 : 2, UPL_W2 = D / NR_W2, U_W2 = L * UPL_W2;
 #if KOG_NRANKS > 1
 // the LM head's units split between the ranks: rank r computes units [r * U_LM, (r + 1) * U_LM) of U_LMG
 constexpr int U_LMG = (V + 1) / 2, U_LM = (U_LMG + KOG_NRANKS - 1) / KOG_NRANKS;

@@ -139,7 +139,7 @@ __device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int t
   stage_combine(p, sm + CB_OFF, i, 0, ua, ub, NR_WO, UPL_WO, tok);
 }
 
-__device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
+__device__ void phase_wo(const Params& p, float* sm, int n, int i, int t, int tok) {
   int ua, ub;
   const int ph = 5 * i + 2;
   tmark(p, n, ph, 0);
@@ -154,26 +154,36 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int tok) {
   if (WAITER) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
   __syncthreads();
   tmark(p, n, ph, 1);
-  // attention outputs of the block's lanes, merged over the position chunks
+  // attention outputs of the block's lanes, merged over the position chunks in use (MB a batch: the
+  // batch's loads in flight together, one rescale a batch)
+  int lo, CH;
+  const int nch = att_split(i, t, lo, CH);
+  constexpr int MB = NCH < 8 ? NCH : 8;
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < HDL; x += NT) {
       const int hh = x / HD, d = x % HD, qh = l * HL + hh, g = qh / G, hg = qh % G;
       const float* a = p.attp + ((long long)g * NCH * G + hg) * ATTP;
-      float mc[NCH], ac[NCH], lc[NCH];
+      float M = -1e30f, A = 0.f, Ls = 0.f;
+      for (int c0 = 0; c0 < nch; c0 += MB) {
+        float mc[MB], ac[MB], lc[MB];
 #pragma unroll
-      for (int c = 0; c < NCH; ++c) {
-        const float* ach = a + (long long)c * G * ATTP;
-        mc[c] = ldf(ach + HD); ac[c] = ldf(ach + d); lc[c] = ldf(ach + HD + 1);
-      }
-      float M = -1e30f;
+        for (int k = 0; k < MB; ++k) {
+          const float* ach = a + (long long)(c0 + k) * G * ATTP;
+          const bool in = c0 + k < nch;
+          mc[k] = in ? ldf(ach + HD) : -1e30f; ac[k] = in ? ldf(ach + d) : 0.f; lc[k] = in ? ldf(ach + HD + 1) : 0.f;
+        }
+        float Mb = M;
 #pragma unroll
-      for (int c = 0; c < NCH; ++c) M = fmaxf(M, mc[c]);
-      float A = 0.f, Ls = 0.f;
+        for (int k = 0; k < MB; ++k) Mb = fmaxf(Mb, mc[k]);
+        const float r = expf(M - Mb);
+        A *= r; Ls *= r;
 #pragma unroll
-      for (int c = 0; c < NCH; ++c) {
-        const float e = expf(mc[c] - M);
-        A += ac[c] * e;
-        Ls += lc[c] * e;
+        for (int k = 0; k < MB; ++k) {
+          const float e = expf(mc[k] - Mb);
+          A += ac[k] * e;
+          Ls += lc[k] * e;
+        }
+        M = Mb;
       }
       sm[(l - l0) * HDL + xp(x, HDL)] = A / Ls;
     }
@@ -323,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
     for (int i = 0; i < NL; ++i) {
       phase_qkv(p, sm, n, i, t, tok, n > 0 && i == 0);
       phase_att(p, sm, n, i, t, tok);
-      phase_wo(p, sm, n, i, tok);
+      phase_wo(p, sm, n, i, t, tok);
       phase_w13(p, sm, n, i, tok);
       phase_w2(p, sm, n, i, tok);
 #if KOG_NRANKS > 1
