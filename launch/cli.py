@@ -1,6 +1,6 @@
 """``kog launch``: start N ranks with whichever launcher this machine has.
 
-    kog launch --np N [--dry-run] [--launcher auto|mpich|openmpi|srun] [--] kog-worker ARGS...
+    kog launch --np N [--dry-run] [--launcher auto|mpich|openmpi|srun] [--keep-survivors] [--] kog-worker ARGS...
 
 Picks the launcher that is present:
 - inside a Slurm allocation (SLURM_JOB_ID set) with ``srun`` on PATH: ``srun --mpi=pmi2 -n N``
@@ -11,9 +11,12 @@ Picks the launcher that is present:
   ``--allow-run-as-root`` only when running as root and ``--oversubscribe`` only when N exceeds
   the cores this process may run on.
 Launchers never bind: the ranks bind themselves to the topology module's plan (kog-worker --bind).
+``--keep-survivors`` (a server's ranks) adds kccl.mpirun.keep_survivors_args: when a rank dies the
+others run on (Open MPI 4.1: for a few seconds), so that rank 0 tells its clients backend_failed.
 
 With ``--dry-run`` it prints the command and exits 0. Otherwise it runs it, forwards SIGINT,
-SIGTERM and SIGHUP to it, and returns its exit code (128+signal when it died of a signal).
+SIGTERM and SIGHUP to it (under Open MPI the first one to the ranks: its mpirun takes them as an
+abort), and returns its exit code (128+signal when it died of a signal).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from kccl.mpirun import Flavor, is_root, keep_survivors_args, parse_flavor
+from kccl.mpirun import Flavor, is_root, keep_survivors_args, parse_flavor, signal_job
 
 LAUNCHERS = ("mpich", "openmpi", "srun")
 CHOICES = ("auto", "mpi") + LAUNCHERS   # "mpi": mpiexec/mpirun of MPICH or Open MPI, never srun
@@ -257,8 +260,10 @@ class EndpointWriter(threading.Thread):
 
 def run_forwarding(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, *,
                    endpoint_file: Optional[str] = None, endpoint: Optional[str] = None,
-                   ready_timeout: float = 900.0) -> int:
+                   ready_timeout: float = 900.0, kind: Optional[str] = None) -> int:
     """Run ``argv``, forwarding SIGINT/SIGTERM/SIGHUP to it; its exit code (128+sig if killed).
+    Under Open MPI (kind 'openmpi') the first signal goes to the ranks themselves, since mpirun takes
+    it as an abort (kccl.mpirun.signal_job); a second one reaches mpirun.
 
     Outside Slurm the launcher gets its own process group, so a Ctrl-C reaches it once, through
     us. Inside a Slurm job it stays in ours, so that Slurm's process tracking (proctrack/pgid)
@@ -269,11 +274,16 @@ def run_forwarding(argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
     proc = subprocess.Popen(list(argv), env=None if env is None else dict(env),
                             start_new_session=not in_slurm)
     srun = os.path.basename(argv[0]) == "srun"
+    forwarded = []
 
     def forward(signum, _frame):
         sig = signum
         if srun and signum == signal.SIGINT:
             sig = signal.SIGTERM  # one SIGINT only makes srun print status
+        if kind == "openmpi" and not forwarded:
+            forwarded.append(sig)
+            signal_job(proc.pid, sig, kind)
+            return
         try:
             proc.send_signal(sig)
         except ProcessLookupError:
@@ -318,6 +328,9 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--srun-mpi", default=os.environ.get("KOG_SRUN_MPI", "pmi2"),
                    choices=("pmi2", "pmix", "pmix_v4", "pmix_v5", "pmi", "none"),
                    help="srun --mpi= (default pmi2: what MPICH speaks)")
+    p.add_argument("--keep-survivors", action="store_true",
+                   help="when a rank dies, leave the others running so that rank 0 can tell its "
+                        "clients (a server's ranks; MPICH -disable-auto-cleanup or Open MPI's equivalent)")
     p.add_argument("--launcher-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the launcher (repeatable)")
     p.add_argument("--endpoint-file", metavar="FILE",
@@ -341,7 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         launcher = detect(prefer=ns.launcher)
         full = build_command(launcher, ns.np, ns.cmd, srun_mpi=ns.srun_mpi,
-                             extra=ns.launcher_arg)
+                             extra=ns.launcher_arg, keep_survivors=ns.keep_survivors)
     except LaunchError as e:
         print(f"kog launch: {e}", file=sys.stderr)
         return 2
@@ -362,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     try:
         return run_forwarding(full, endpoint_file=ns.endpoint_file, endpoint=endpoint,
-                              ready_timeout=ns.ready_timeout)
+                              ready_timeout=ns.ready_timeout, kind=launcher.kind)
     except OSError as e:
         print(f"kog launch: cannot run {full[0]}: {e}", file=sys.stderr)
         return 127

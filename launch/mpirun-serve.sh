@@ -62,7 +62,8 @@ if [ "$BIND" != none ]; then
   timeout 60 "$PY" -m topology.cli --ranks "$NP" >&2 2>/dev/null || true
 fi
 
-LARGS=(--launcher "${KOG_LAUNCHER:-mpi}" --np "$NP")
+# --keep-survivors: a dead rank reaches the clients as backend_failed, not as a lost server
+LARGS=(--launcher "${KOG_LAUNCHER:-mpi}" --np "$NP" --keep-survivors)
 [ -n "$EPFILE" ] && LARGS+=(--endpoint-file "$EPFILE")
 echo "mpirun-serve.sh: $NP ranks, model $MODEL, control $CONTROL, bind $BIND" >&2
 if [ -z "$HTTP_PORT" ]; then

@@ -1,5 +1,6 @@
-"""launch/mpirun-serve.sh under MPICH's mpiexec: 2 and 4 ranks come up, each bound to the cores the
-topology plan gave it (read back from the OS), serve the reference ids, and stop on SIGTERM."""
+"""launch/mpirun-serve.sh under PATH's mpiexec (MPICH's or Open MPI's): 2 and 4 ranks come up, each
+bound to the cores the topology plan gave it (read back from the OS), serve the reference ids, and
+stop on SIGTERM."""
 import json
 import os
 import shutil
@@ -8,6 +9,7 @@ import subprocess
 
 import pytest
 
+from launch.cli import detect
 from test_launch_helpers import (REPO, affinity, client_generate, env, kill_all, kog, procs_with,
                                  ranks_with, reference_ids, tiny_model, wait_for)
 
@@ -44,7 +46,10 @@ def test_mpirun_serve_binds_ranks_to_the_plan(tmp_path, model, n):
         wait_for(lambda: ep.exists() or proc.poll() is not None, 120, "the control endpoint")
         assert proc.poll() is None, f"mpirun-serve.sh exited {proc.returncode}:\n{log.read_text()}"
         text = log.read_text()
-        assert "kog launch (mpich)" in text and "-bind-to none" in text, text
+        kind = detect(env(), prefer="mpi").kind         # the script's launcher: PATH's mpiexec
+        assert f"kog launch ({kind})" in text and "-bind-to none" in text, text
+        assert ("-disable-auto-cleanup" if kind == "mpich" else "--runtime-options" if
+                "--runtime-options" in text else "odls_base_sigkill_timeout") in text, text
 
         ranks = wait_for(lambda: (r := ranks_with(model_dir)) and len(r) == n and r, 30,
                          f"{n} rank processes")
@@ -59,7 +64,7 @@ def test_mpirun_serve_binds_ranks_to_the_plan(tmp_path, model, n):
 
         assert client_generate(ep.read_text().strip()) == ref
 
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)                  # kog launch forwards it (Open MPI: to the ranks)
         rc = proc.wait(timeout=60)
         assert rc == 0, f"exit {rc} after SIGTERM:\n{log.read_text()}"
         wait_for(lambda: not procs_with(model_dir), 15, "every rank gone")
@@ -93,7 +98,7 @@ def test_mpirun_serve_refuses_ranks_not_dividing_lanes(tmp_path, model):
 
 
 def test_mpirun_serve_with_open_mpi_builds_its_command(tmp_path):
-    # No Open MPI here: a fake `mpirun` that answers --version as Open MPI and echoes its arguments
+    # A fake `mpirun` (and `mpiexec`) that answers --version as Open MPI 4.1 and echoes its arguments
     # shows the command the script runs with it.
     d = tmp_path / "bin"
     d.mkdir()
@@ -101,6 +106,7 @@ def test_mpirun_serve_with_open_mpi_builds_its_command(tmp_path):
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 4.1.5'; "
                     "exit 0; fi\necho \"FAKE-MPIRUN $*\"\n")
     fake.chmod(0o755)
+    os.symlink(fake, d / "mpiexec")      # found before a real mpiexec further down PATH
     e = env(KOG_LAUNCHER="openmpi", KOG_PORT="45678")
     e["PATH"] = f"{d}{os.pathsep}{e['PATH']}"
     p = subprocess.run(["bash", SCRIPT, "-n", "2", "--model", "/m", "--backend", "cpu"],
@@ -110,6 +116,7 @@ def test_mpirun_serve_with_open_mpi_builds_its_command(tmp_path):
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("FAKE-MPIRUN"))
     argv = line.split()[1:]
     assert argv[:2] == ["-np", "2"]
+    assert argv[argv.index("--mca") + 1:][:2] == ["odls_base_sigkill_timeout", "2"]   # --keep-survivors, 4.1
     assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
     assert ("--oversubscribe" in argv) == (2 > len(os.sched_getaffinity(0)))
     i = argv.index("--bind-to")

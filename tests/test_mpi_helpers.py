@@ -107,3 +107,36 @@ def test_keep_survivors_leaves_the_others_running(tmp_path):
     kind = mpi_helpers.flavor().kind
     res = mpi_helpers.run_mpi(2, code=code, args=(kind,), timeout=60, auto_cleanup=False)
     assert res.marks("SURVIVED") == [0] and res.returncode != 0, res.output
+
+
+def test_signal_job_reaches_every_rank_and_the_job_ends_cleanly(tmp_path):
+    """A graceful stop (what kog launch forwards): under MPICH mpiexec forwards SIGTERM; Open MPI's
+    mpirun would take it as an abort (SIGKILL moments later, exit 1), so there the ranks get it.
+    Either way every rank sees it and mpiexec exits 0."""
+    if not mpi_helpers.have_mpiexec():
+        pytest.skip("no mpiexec")
+    import signal as sig
+    import sys
+    from kccl.mpirun import signal_job
+    code = ("import signal, sys, time; from mpi4py import MPI; w = MPI.COMM_WORLD\n"
+            "got = []; signal.signal(signal.SIGTERM, lambda *a: got.append(1)); w.Barrier()\n"
+            "sys.stdout.write(f'READY {w.rank}\\n'); sys.stdout.flush()\n"
+            "t = time.monotonic()\n"
+            "while not got and time.monotonic() - t < 30: time.sleep(0.02)\n"
+            "sys.stdout.write(f'TERM {w.rank}\\n' if got else f'NOTERM {w.rank}\\n'); sys.stdout.flush()\n")
+    out = tmp_path / "out"
+    with open(out, "w") as f:
+        p = subprocess.Popen(mpi_helpers.mpiexec_command(2) + [sys.executable, "-c", code], stdout=f,
+                             stderr=subprocess.STDOUT, env=mpi_helpers.mpi_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while out.read_text().count("READY") < 2 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signal_job(p.pid, sig.SIGTERM, mpi_helpers.flavor().kind)
+        assert p.wait(30) == 0, out.read_text()
+        text = out.read_text()
+        assert "TERM 0" in text and "TERM 1" in text and "NOTERM" not in text, text
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, sig.SIGKILL)
+            p.wait()

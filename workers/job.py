@@ -84,6 +84,11 @@ def run(a) -> int:
         # followers to exit, so they must outlive it rather than die mid-exchange.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+    if not a.oneshot:
+        # SIGUSR1 is hydra's notice (-disable-auto-cleanup, kog launch --keep-survivors) that a rank
+        # ended, sent after a clean shutdown too, to whichever ranks are still leaving: only rank 0's
+        # coordinator acts on it (while it serves); a follower learns of rank 0's end from kccl.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     hb = None
     try:
         backend, cfg = _all_or_none(world, lambda: make_backend(
