@@ -254,15 +254,18 @@ def test_fp16_tiny_logits(tmp_path):
     b.close()
 
 
-def test_2b_shape_bf16_logits_against_float32():
+@pytest.mark.parametrize("dtype", ["BF16", "Q4_0"])
+def test_2b_shape_logits_against_float32(dtype):
+    """The 2B shape's logits at several steps within 1e-2 (relative) of float32 arithmetic on the same
+    weights (CupyReference; Q4_0: the layer matrices' exact dequantization, issue 31)."""
     from kog_dist.shapes import shape_config
     from workers.cuda.backend import CudaBackend
     from workers.cuda.build import build
     from workers.cuda.refcheck import CupyReference
     from workers.cuda.weights import random_weights
     cfg = shape_config("2b")
-    k = build(cfg, "BF16")
-    dw = random_weights(cfg, "BF16", k, seed=11)
+    k = build(cfg, dtype)
+    dw = random_weights(cfg, dtype, k, seed=11)
     b = CudaBackend(weights=dw, max_seq=256, num_slots=1, progress=False, extra_defines=TEST_DEFINES)
     prompt = [1, 500, 9000, 31000, 42, 7, 123, 4567]
     n = 64
@@ -281,5 +284,5 @@ def test_2b_shape_bf16_logits_against_float32():
             rel = float(np.linalg.norm(got[s] - lg) / np.linalg.norm(lg))
             worst = max(worst, rel)
             assert rel < 1e-2, (s, rel)
-    print(f"2b bf16 vs float32: worst relative logits error {worst:.2e}")
+    print(f"2b {dtype} vs float32: worst relative logits error {worst:.2e}")
     b.close()

@@ -1,7 +1,8 @@
 """An independent float32 implementation of the spec in CuPy (one token at a time), for checking the
 monokernel at shapes where the numpy engine is too slow (the 2B shape). It reads the same device weights
-(converted to float32 once), so the only differences from the kernel are the kernel's storage-type
-rounding of activations it stores (KV cache) and summation order."""
+(converted to float32 once; quantized layer matrices dequantized exactly, as the kernel does in
+registers), so the only differences from the kernel are the kernel's storage-type rounding of activations
+it stores (KV cache) and summation order."""
 from __future__ import annotations
 
 import math
@@ -17,8 +18,14 @@ class CupyReference:
         cfg = dw.cfg
         self.layers = []
         for i in range(cfg.num_hidden_layers):
-            r = dw.regions(i)
-            self.layers.append({k: to_float32(dw, v, kernels) for k, v in r.items()})
+            if dw.qtype:   # quantized layer matrices: gguf's dequantization, exactly, in float32
+                nb = dw.layer_elems // 32
+                flat = cp.empty(dw.layer_elems, dtype=cp.float32)
+                kernels.fn["q_to_f32"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
+                                       (dw.w, dw.ws, np.int64(i * nb), np.int64(nb), flat))
+                self.layers.append(dw.regions(i, flat))
+            else:
+                self.layers.append({k: to_float32(dw, v, kernels) for k, v in dw.regions(i).items()})
         self.norms = dw.norms
         self.fnorm = dw.fnorm
         self.emb = to_float32(dw, dw.emb, kernels)
