@@ -374,7 +374,8 @@ model, gen, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 cfg = load_config(model)
 comm = Communicator.create(world, transport="cuda_ipc", **comm_kwargs(cfg, world.size, timeout=30.0))
 defines = dict(d.split("=", 1) for d in os.environ.get("KOG_TEST_DEFINES", "").split())   # a tuning variant
-b = CudaBackend(model, max_seq=512, num_slots=2, progress=False, comm=comm, extra_defines=defines)
+dtype = os.environ.get("KOG_TEST_DTYPE") or None                                         # a storage type
+b = CudaBackend(model, max_seq=512, num_slots=2, progress=False, comm=comm, extra_defines=defines, dtype=dtype)
 r1 = b.run(RunCommand(append=prompt, max_new_tokens=gen), ignore_eos=True)
 r2 = b.run(RunCommand(slot=0, keep=r1.cached, append=[5, 6, 7], max_new_tokens=16), ignore_eos=True)
 r3 = b.run(RunCommand(slot=1, append=prompt[:5], max_new_tokens=32,
@@ -465,11 +466,20 @@ def tiny_l8(tmp_path_factory):
     return d
 
 
-def _one_rank(model):
+@pytest.fixture(scope="module")
+def tiny_l4(tmp_path_factory):
+    """Four lanes whose per-lane widths are multiples of 32 (the quantized storage types' blocks)."""
+    from kog_dist.tiny import write_tiny_checkpoint
+    d = str(tmp_path_factory.mktemp("tiny_l4"))
+    write_tiny_checkpoint(d, dtype="F32", seed=12, num_lanes=4)
+    return d
+
+
+def _one_rank(model, dtype=None):
     from kog_dist.sampling import SamplingParams
     from kog_dist.backend import RunCommand
     from workers.cuda.backend import CudaBackend
-    b = CudaBackend(model, max_seq=512, num_slots=2, progress=False)
+    b = CudaBackend(model, max_seq=512, num_slots=2, progress=False, dtype=dtype)
     r1 = b.run(RunCommand(append=PROMPT, max_new_tokens=GEN), ignore_eos=True)
     r2 = b.run(RunCommand(slot=0, keep=r1.cached, append=[5, 6, 7], max_new_tokens=16), ignore_eos=True)
     r3 = b.run(RunCommand(slot=1, append=PROMPT[:5], max_new_tokens=32,
@@ -522,6 +532,31 @@ def test_multirank_ids_equal_one_rank(tiny_l8, one_rank_ids, n, tmp_path):
             if a != b:
                 i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
                 pytest.fail(f"N={n} rank {r} request {k}: first difference at token {i}: {a[i]} vs {b[i]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+@pytest.mark.parametrize("dtype", ["Q8_0:F32", "Q4_0:F32", "Q4_1:F32"])
+def test_multirank_quantized_ids_equal_one_rank(tiny_l4, dtype, tmp_path):
+    """Multi-rank builds take the quantized storage types (issue 31): two ranks of a four-lane model with
+    its layer matrices quantized at load give the one-rank kernel's ids (greedy, a continued session, a
+    sampled request); the one-rank ids against the numpy engine are test_cuda_llama.py's."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from mpi_helpers import have_mpiexec, run_mpi, shared_gpu_reason
+    if not have_mpiexec():
+        pytest.skip("no mpiexec")
+    why = shared_gpu_reason(2)
+    if why:
+        pytest.skip(why)
+    want = _one_rank(tiny_l4, dtype)
+    res = run_mpi(2, code=RANK_RUN, args=(tiny_l4, GEN, json.dumps(PROMPT), str(tmp_path)), timeout=75,
+                  env={"KOG_TEST_DTYPE": dtype})
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"ids_{r}.json").read_text())
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert a == b, f"{dtype} rank {r} request {k}: first difference at token " \
+                f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
 
 
 @pytest.mark.gpu
