@@ -96,14 +96,17 @@ def verify(logits_rows: np.ndarray, draft, params: SamplingParams, counter0: int
 
 
 def step(engine, last: int, context, params: SamplingParams, draft_len: int,
-         max_ngram: int = MAX_NGRAM) -> tuple[list[int], int, int]:
+         max_ngram: int = MAX_NGRAM, forward=None) -> tuple[list[int], int, int]:
     """One verify pass on a reference engine whose cache holds `context` minus `last` (the last
     sampled token, not yet fed). Returns (tokens, drafted, accepted); the cache is left holding `last`
     and the accepted drafts, i.e. everything but the final token, as after plain steps. A caller that
-    stops early (EOS, stop id, max tokens) after token j truncates the cache to its position."""
+    stops early (EOS, stop id, max tokens) after token j truncates the cache to its position.
+    forward(engine, ids) -> logits [len(ids), V], appending the ids to the cache (a backend's faster
+    pass); None: the engine's own batched forward."""
     draft = lookup(context, draft_len, max_ngram)
     start = engine.pos
-    rows = engine.forward(np.asarray([last] + draft, dtype=np.int64), all_logits=True)
+    ids = np.asarray([last] + draft, dtype=np.int64)
+    rows = forward(engine, ids) if forward else engine.forward(ids, all_logits=True)
     tokens, accepted = verify(rows, draft, params, counter0=start + 1)
     engine.truncate(start + len(tokens))
     return tokens, len(draft), accepted

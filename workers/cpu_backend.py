@@ -1,6 +1,7 @@
 """The `cpu` backend: the numpy reference engine on this rank's lanes, one KV cache per slot. Prefill
-runs on the engine; decode steps run workers.cpu_decode's fast step on the same caches (fast=False:
-the engine's own step, for comparisons)."""
+runs on the engine; decode steps run workers.cpu_decode's fast step on the same caches, and
+speculative verify passes workers.cpu_verify's (one-lane models; several lanes: the engine's batched
+forward). fast=False: the engine's own step and forward, for comparisons."""
 from __future__ import annotations
 
 from kog_dist.engine import ReferenceEngine
@@ -11,6 +12,8 @@ from kog_dist.speculative import step as spec_step
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
 from .cpu_decode import FastDecoder, FusedWeights, set_blas_threads
+from .cpu_verify import supports as fast_verify_supports
+from .cpu_verify import verify_rows
 
 
 class CpuBackend(Backend):
@@ -40,6 +43,11 @@ class CpuBackend(Backend):
         finally:
             set_blas_threads(d.base_threads)
 
+    def _verify(self):
+        """The verify pass for speculative steps: the fast one where the decoder's model has it."""
+        d = self.decoder
+        return (lambda eng, ids: verify_rows(d, eng, ids)) if fast_verify_supports(d) else None
+
     def cached(self, slot: int) -> int:
         return len(self.tokens[slot]) if 0 <= slot < self.num_slots else 0
 
@@ -64,6 +72,7 @@ class CpuBackend(Backend):
         res.prefill_ms = clock.ms()
         stop = (set() if ignore_eos else set(self.cfg.eos_token_ids)) | set(cmd.stop_ids)
         drafts = AdaptiveDraft(cmd.speculative) if cmd.speculative > 0 else None
+        verify = self._verify() if drafts else None
         t_first = None
         ahead = [] if cmd.max_new_tokens == 0 else [sample(logits, cmd.sampling, counter=len(held))]
         while ahead:
@@ -91,7 +100,7 @@ class CpuBackend(Backend):
             k = min(drafts.size(), cmd.max_new_tokens - len(res.token_ids) - 1,
                     self.max_seq - len(held) - 1) if drafts else 0
             if k > 0:   # one pass over tok and up to k drafts copied from the context
-                toks, drafted, accepted = spec_step(eng, tok, held + [tok], cmd.sampling, k)
+                toks, drafted, accepted = spec_step(eng, tok, held + [tok], cmd.sampling, k, forward=verify)
                 drafts.update(drafted, accepted)
                 res.spec_steps += 1
                 res.spec_drafted += drafted

@@ -1,0 +1,121 @@
+"""The CPU backend's speculative verify pass: k + 1 positions (the last sampled token and k drafts)
+through every layer of a one-lane model in one pass over the weights, logits for every position.
+
+Each position's arithmetic is FastDecoder._step_one's, call for call (the same GEMVs on the same
+fused float32 matrices, the same RoPE, attention and rms), so row t of the result is bitwise the
+logits plain steps give at that position: greedy and seeded ids cannot depend on whether a token
+came out of a verify pass, and the KV entries written are the plain path's. What changes is the
+loop order: layer outer, position inner, so a layer's matrices (14 MB for SmolLM2-135M, inside a
+32 MB L3) come from memory once and from cache for the other k positions, and the tied LM head
+(113 MB, larger than any cache) is applied in blocks of rows that do fit. One GEMM over k + 1
+columns would also read each matrix once, but OpenBLAS's sgemm sums in another order than its
+sgemv (so ids could differ at near-ties) and on this 2-core machine it is no faster for k + 1 <= 8.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .cpu_decode import FastDecoder, set_blas_threads
+
+_F32 = np.float32
+HEAD_BLOCK = 4096   # LM head rows per block: 9.4 MB at D 576, cached while every position reads it;
+                    # a multiple of the GEMV kernels' row groups, so blocks sum as the whole matrix
+
+
+def supports(decoder: FastDecoder | None) -> bool:
+    """Whether verify_rows runs for this decoder's model (one lane: the Llama family). Several lanes
+    exchange partial sums between layers, and the engine's batched forward does that for a pass."""
+    return decoder is not None and decoder.cfg.num_lanes == 1
+
+
+def verify_rows(decoder: FastDecoder, eng, ids) -> np.ndarray:
+    """Logits [T, V] of the T = len(ids) positions after what `eng`'s cache holds, as T calls of
+    decoder.step(eng, id) would give them, one after another; the cache then holds all T (the caller
+    truncates the rejected ones away, as after engine.forward)."""
+    ids = [int(t) for t in ids]
+    T, pos0 = len(ids), eng.pos
+    if T == 0:
+        raise ValueError("a verify pass needs at least one position")
+    if pos0 + T > eng.max_seq:
+        raise ValueError(f"context of {pos0 + T} tokens exceeds the limit of {eng.max_seq}")
+    if not supports(decoder):
+        raise ValueError("verify_rows runs one-lane models only")
+    for c in eng.caches:
+        c.ensure(pos0 + T)
+    # the count the decoder's own steps find faster now; these passes are not its samples (longer)
+    n = decoder.preferred_threads()
+    own = bool(n) and n != decoder.base_threads
+    if own:
+        set_blas_threads(n)
+    try:
+        return _rows_one(decoder, eng, ids, pos0)
+    finally:
+        if own:
+            set_blas_threads(decoder.base_threads)
+
+
+def _rows_one(d: FastDecoder, eng, ids: list[int], pos0: int) -> np.ndarray:
+    cfg, fw = d.cfg, d.fw
+    T = len(ids)
+    hd, kvl, g, nq, nk, F = d.hd, d.kvl, d.g, d.nq, d.nk, d.F
+    D, eps, scale = cfg.hidden_size, float(cfg.norm_eps), d.scale
+    QKV = np.empty((T, nq + 2 * nk), _F32)
+    GU = np.empty((T, 2 * F), _F32)
+    vec, t_buf = np.empty(D, _F32), np.empty(F, _F32)
+    rots = np.empty((T, hd // 2), np.complex64)
+    for t in range(T):
+        ang = (pos0 + t) * d.inv_freq                  # float64 angles, then float32, as the step's
+        rots[t].real, rots[t].imag = np.cos(ang), np.sin(ang)
+    # one embedding row at a time: the step's own call, so its dequantization is the step's
+    H = [d.embed(np.asarray([tok], dtype=np.int64)).astype(_F32)[0] for tok in ids]
+    for c, (wqkv, bias, wo, wgu, wdown, g_attn, g_ffn, window) in zip(eng.caches, d.one):
+        K, V = c.k[0], c.v[0]
+        for t in range(T):
+            h, qkv, gu = H[t], QKV[t], GU[t]
+            q = qkv[:nq].reshape(kvl, g, hd)
+            zqk = qkv[:nq + nk].view(np.complex64).reshape(-1, hd // 2)
+            p = pos0 + t
+            S = p + 1
+            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
+            n *= g_attn
+            np.matmul(wqkv, n, out=qkv)
+            if bias is not None:
+                qkv += bias
+            zqk *= rots[t]
+            K[:, p] = qkv[nq:nq + nk].reshape(kvl, hd)
+            V[:, p] = qkv[nq + nk:].reshape(kvl, hd)
+            lo = max(0, S - window) if window else 0
+            s = np.matmul(q, K[:, lo:S].transpose(0, 2, 1))                # [kvl, g, S']
+            s *= scale
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            att = np.matmul(s, V[:, lo:S])                                  # [kvl, g, hd]
+            np.matmul(wo, att.reshape(nq), out=vec)
+            h += vec
+            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
+            n *= g_ffn
+            np.matmul(wgu, n, out=gu)
+            gate, up = gu[:F], gu[F:]
+            np.negative(gate, out=t_buf)              # gate / (1 + exp(-gate)) * up
+            np.exp(t_buf, out=t_buf)
+            t_buf += _F32(1.0)
+            np.divide(gate, t_buf, out=t_buf)
+            t_buf *= up
+            np.matmul(wdown, t_buf, out=vec)
+            h += vec
+    eng.pos = pos0 + T
+    N = []
+    for h in H:
+        n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
+        n *= fw.norm[0]
+        N.append(n)
+    head = fw.head
+    rows = np.empty((T, head.shape[0]), _F32)
+    for b in range(0, head.shape[0], HEAD_BLOCK):
+        blk = head[b:b + HEAD_BLOCK]
+        for t in range(T):
+            np.matmul(blk, N[t], out=rows[t, b:b + HEAD_BLOCK])
+    return rows
