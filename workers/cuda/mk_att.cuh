@@ -1,4 +1,4 @@
-// mk_att.cuh: part of monokernel.cu (pasted in place after phase_qkv; not a standalone header).
+// mk_att.cuh: part of monokernel.cu (pasted in place after mk_qkv.cuh; not a standalone header).
 // The attention phase: units (kv head g, position chunk c); each block's warps split the chunk's positions,
 // keep an online softmax each, and the block merges them into (acc[HD], max, sum) per head in p.attp; WO
 // merges the chunks.

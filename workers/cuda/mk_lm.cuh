@@ -1,5 +1,5 @@
-// mk_lm.cuh: part of monokernel.cu (pasted in place after the phases of the layers; not a standalone
-// header). Full sampling (sample_full) and the LM head phase (final norm, LM rows, each block's best
+// mk_lm.cuh: part of monokernel.cu (pasted in place after mk_w2.cuh, the layers' last phase; not a
+// standalone header). Full sampling (sample_full) and the LM head phase (final norm, LM rows, each block's best
 // candidate; the last block picks or samples the token, writes it to the host's ring, checks the stops).
 #pragma once
 

@@ -1,0 +1,38 @@
+// mk_w2.cuh: part of monokernel.cu (pasted in place after mk_w13.cuh; not a standalone header).
+// The down projection (units: NR_W2 rows) and the DTP combine into the residual.
+#pragma once
+
+__device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
+  int ua, ub;
+  const int ph = 5 * i + 4;
+  tmark(p, n, ph, 0);
+  brange(U_W2, ua, ub);
+  const long long E = (long long)i * LAYER_SZ + OFF_W2;
+  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_W2, ub - ua, UE_W2, true);
+  prefetch_w(p, E + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2, PF);
+  const MrPost mp = mr_post(p, 1, n, i);
+  if (ua >= ub) return;
+  const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;
+  float* cb = sm + CB_OFF;
+  if (WAITER) {
+    wait_delayed(p, C_W2, UPL_W2, n, i);
+    // the residual base h[2i+1] of the block's lanes: WO(i), or the W13(i) writer block
+    if (fused_step(2 * i + 1)) wait_lanes(p, C_WO, l0, l1, (u64)(n * NL + i + 1) * UPL_WO);
+    else wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
+  }
+  __syncthreads();
+  stage_combine(p, cb, i, 1, ua, ub, NR_W2, UPL_W2, tok);
+  if (WAITER) wait_lanes(p, C_W13, l0, l1, (u64)(n * NL + i + 1) * UPL_W13);
+  __syncthreads();
+  tmark(p, n, ph, 1);
+  for (int l = l0; l <= l1; ++l)
+    for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
+  cp_async_wait_all();
+  reset_units();
+  __syncthreads();
+  tmark(p, n, ph, 3);
+  combine_rows<NR_W2, FL, CFG_UBMAX>(p, sm, E, i, 1, ua, ub, nbuf, l0, cb, mp);
+  tmark(p, n, ph, 4);
+  signal_lanes(p, C_W2, UPL_W2, ua, ub);
+  tmark(p, n, ph, 2);
+}

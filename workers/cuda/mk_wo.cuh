@@ -1,0 +1,79 @@
+// mk_wo.cuh: part of monokernel.cu (pasted in place after mk_att.cuh; not a standalone header).
+// The output projection: the merge of attention's position chunks, WO rows (units: NR_WO rows) and the
+// DTP combine into the residual.
+#pragma once
+
+// The output projection's combine inputs (residual base, delayed lanes' term) of the block's WO rows
+// [ua, ub), staged into shared memory (CB_OFF) at WO's entry, while attention may still run. Staged when
+// attention started instead (its wait and round trip then ahead of attention's own), 2B on one H200 ran
+// 792.1 / 797.0 / 788.7 tokens/s against 809.4 / 809.5 / 816.7 (sixth session).
+__device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int tok, int ua, int ub) {
+  const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
+  if (WAITER) {
+    wait_delayed(p, C_WO, UPL_WO, n, i);
+    if (i > 0) {   // the residual base h[2i] of the block's lanes: W2(i-1), or the QKV(i) writer block
+      if (fused_step(2 * i)) wait_lanes(p, C_W2, l0, l1, (u64)(n * NL + i) * UPL_W2);
+      else wait_lanes(p, C_QKV, l0, l1, (u64)(n * NL + i + 1) * UPL_QKV);
+    }
+  }
+  __syncthreads();
+  stage_combine(p, sm + CB_OFF, i, 0, ua, ub, NR_WO, UPL_WO, tok);
+}
+
+__device__ void phase_wo(const Params& p, float* sm, int n, int i, int t, int tok) {
+  int ua, ub;
+  const int ph = 5 * i + 2;
+  tmark(p, n, ph, 0);
+  brange(U_WO, ua, ub);
+  const long long E = (long long)i * LAYER_SZ + OFF_WO;
+  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
+  const MrPost mp = mr_post(p, 0, n, i);
+  if (ua >= ub) return;
+  const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
+  float* cb = sm + CB_OFF;
+  wo_stage_combine(p, sm, n, i, tok, ua, ub);
+  if (WAITER) wait_lanes(p, C_ATT, l0, l1, (u64)(n * NL + i + 1) * UPL_ATT);
+  __syncthreads();
+  tmark(p, n, ph, 1);
+  // attention outputs of the block's lanes, merged over the position chunks in use (MB a batch: the
+  // batch's loads in flight together, one rescale a batch)
+  int lo, CH;
+  const int nch = att_split(i, t, lo, CH);
+  constexpr int MB = NCH < 8 ? NCH : 8;
+  for (int l = l0; l <= l1; ++l)
+    for (int x = threadIdx.x; x < HDL; x += NT) {
+      const int hh = x / HD, d = x % HD, qh = l * HL + hh, g = qh / G, hg = qh % G;
+      const float* a = p.attp + ((long long)g * NCH * G + hg) * ATTP;
+      float M = -1e30f, A = 0.f, Ls = 0.f;
+      for (int c0 = 0; c0 < nch; c0 += MB) {
+        float mc[MB], ac[MB], lc[MB];
+#pragma unroll
+        for (int k = 0; k < MB; ++k) {
+          const float* ach = a + (long long)(c0 + k) * G * ATTP;
+          const bool in = c0 + k < nch;
+          mc[k] = in ? ldf(ach + HD) : -1e30f; ac[k] = in ? ldf(ach + d) : 0.f; lc[k] = in ? ldf(ach + HD + 1) : 0.f;
+        }
+        float Mb = M;
+#pragma unroll
+        for (int k = 0; k < MB; ++k) Mb = fmaxf(Mb, mc[k]);
+        const float r = expf(M - Mb);
+        A *= r; Ls *= r;
+#pragma unroll
+        for (int k = 0; k < MB; ++k) {
+          const float e = expf(mc[k] - Mb);
+          A += ac[k] * e;
+          Ls += lc[k] * e;
+        }
+        M = Mb;
+      }
+      sm[(l - l0) * HDL + xp(x, HDL)] = A / Ls;
+    }
+  cp_async_wait_all();
+  reset_units();
+  __syncthreads();
+  tmark(p, n, ph, 3);
+  combine_rows<NR_WO, HDL, CFG_UB_WO>(p, sm, E, i, 0, ua, ub, nbuf, l0, cb, mp);
+  tmark(p, n, ph, 4);
+  signal_lanes(p, C_WO, UPL_WO, ua, ub);
+  tmark(p, n, ph, 2);
+}
