@@ -19,7 +19,9 @@ from kog_dist.models import default_gguf_path
 from kog_dist.sampling import SamplingParams
 from kog_dist.tokenizer import load_tokenizer
 from workers.cpu_backend import CpuBackend
+from workers import cpu_verify
 from workers.cpu_decode import FastDecoder, FusedWeights, ThreadChooser
+from workers.cpu_verify import verify_rows
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -149,6 +151,55 @@ def test_backend_sessions_fast_and_reference_agree(name):
     assert len(set(runs[0][0])) > 1          # not a constant stream that any step would give
 
 
+def steps_then_verify(cfg, w, embed, prompt, tokens):
+    """The fast step's logits for `tokens` fed one at a time, and one verify pass over the same tokens
+    from the same cache; (step logits, verify rows, step caches' K, V, verify caches' K, V)."""
+    fw = FusedWeights(cfg, dict(w))
+    dec = FastDecoder(cfg, fw, embed)
+    one, many = ReferenceEngine(cfg, dict(w), embed), ReferenceEngine(cfg, dict(w), embed)
+    one.prefill(prompt)
+    many.prefill(prompt)
+    want = np.stack([dec.step(one, t) for t in tokens])
+    rows = verify_rows(dec, many, tokens)
+    assert many.pos == one.pos == len(prompt) + len(tokens)
+    n = one.pos
+    kv = lambda e: [(c.k[:, :, :n].copy(), c.v[:, :, :n].copy()) for c in e.caches]
+    return want, rows, kv(one), kv(many)
+
+
+@pytest.mark.parametrize("name", sorted(ONE_LANE))
+def test_verify_pass_is_bitwise_the_fast_steps(name, monkeypatch):
+    """k + 1 = 1, 2, 5, 8 positions in one pass: every row of logits and every KV entry written is
+    bitwise what the one-token steps give (greedy and seeded ids cannot differ), across the cache's
+    growth past 64, sliding windows, and an LM head applied in several row blocks (one partial)."""
+    monkeypatch.setattr(cpu_verify, "HEAD_BLOCK", 40)           # V = 97: blocks of 40, 40, 17
+    cfg, w, embed = random_model(ONE_LANE[name], seed=len(name) + 1)
+    rng = np.random.default_rng(2)
+    prompt = [int(x) for x in rng.integers(0, cfg.vocab_size, 59)]
+    for T in (1, 2, 5, 8):
+        tokens = [int(x) for x in rng.integers(0, cfg.vocab_size, T)]
+        want, rows, kv_one, kv_many = steps_then_verify(cfg, w, embed, prompt, tokens)
+        assert rows.shape == want.shape == (T, cfg.vocab_size) and rows.dtype == np.float32
+        assert np.array_equal(rows, want), (T, np.max(np.abs(rows - want)))
+        for (k1, v1), (k2, v2) in zip(kv_one, kv_many):
+            assert np.array_equal(k1, k2) and np.array_equal(v1, v2)
+
+
+def test_verify_pass_refuses_what_it_cannot_run():
+    cfg, w, embed = random_model(ONE_LANE["gqa"])
+    dec = FastDecoder(cfg, FusedWeights(cfg, dict(w)), embed)
+    eng = ReferenceEngine(cfg, dict(w), embed, max_seq=8)
+    eng.prefill([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="exceeds the limit of 8"):
+        verify_rows(dec, eng, [1, 2, 3, 4])
+    assert eng.pos == 5
+    with pytest.raises(ValueError, match="at least one"):
+        verify_rows(dec, eng, [])
+    cfg2, w2, embed2 = random_model(LANES["delay1"])
+    dec2 = FastDecoder(cfg2, FusedWeights(cfg2, dict(w2)), embed2)
+    assert cpu_verify.supports(dec) and not cpu_verify.supports(dec2) and not cpu_verify.supports(None)
+
+
 def test_context_limit_is_refused():
     cfg, w, embed = random_model(ONE_LANE["gqa"])
     eng = ReferenceEngine(cfg, dict(w), embed, max_seq=6)
@@ -170,6 +221,22 @@ def test_real_default_model_greedy_ids_equal():
         ref_lg, fast_lg, ids = decode_both(m.cfg, m.weights, m.embed, prompt, 32)
         assert_close(ref_lg, fast_lg)
         assert len(set(ids)) > 4 and "Paris" in tok.decode(ids)
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(default_gguf_path() is None, reason="the default model (SmolLM2-135M GGUF) is not in the cache")
+def test_real_default_model_verify_pass_is_bitwise_the_fast_steps():
+    """The default model's shapes: 8 positions in one pass (its 113 MB LM head in blocks of 4096 rows)
+    give bitwise the logits and KV entries of 8 one-token steps."""
+    m = Model(default_gguf_path(), progress=False)
+    try:
+        tok = load_tokenizer(m.src)
+        prompt = tok.encode_chat([{"role": "user", "content": "Rename x to y: x = 1; print(x)"}])
+        want, rows, kv_one, kv_many = steps_then_verify(m.cfg, m.weights, m.embed, prompt,
+                                                        [87, 284, 216, 33, 446, 28, 216, 17])
+        assert np.array_equal(rows, want)
+        assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(kv_one, kv_many))
     finally:
         m.close()
 

@@ -1,5 +1,8 @@
-"""Prompt-lookup speculative decoding on the numpy engine: the tokens are the plain decode's tokens
-(greedy and sampled under a seed), and the KV cache after a rejection holds what plain steps leave."""
+"""Prompt-lookup speculative decoding on the numpy engine and the cpu backend (whose verify passes are
+workers.cpu_verify's): the tokens are the plain decode's tokens (greedy and sampled under a seed), and
+the KV cache after a rejection holds what plain steps leave."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -105,10 +108,19 @@ def test_spec_params_ranges():
 from kog_dist.backend import RunCommand  # noqa: E402
 from kog_dist.protocol import ProtocolError, parse_request  # noqa: E402
 from workers.cpu_backend import CpuBackend  # noqa: E402
+from workers.cpu_verify import supports as fast_verify_supports  # noqa: E402
 
 
-def backend(m):
-    return CpuBackend(m.cfg, m.weights, m.embed, num_slots=2)
+def backend(m, cfg=None):
+    b = CpuBackend(cfg or m.cfg, m.weights, m.embed, num_slots=2)
+    assert fast_verify_supports(b.decoder)         # these tests run the fast verify pass
+    return b
+
+
+def assert_same_cache(b, slot_a, slot_b, n):
+    """Bitwise: the fast verify pass writes the one-token step's keys and values."""
+    for ca, cb in zip(b.slots[slot_a].caches, b.slots[slot_b].caches):
+        assert np.array_equal(ca.k[:, :, :n], cb.k[:, :, :n]) and np.array_equal(ca.v[:, :, :n], cb.v[:, :, :n])
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)])
@@ -120,6 +132,7 @@ def test_backend_ids_equal_with_and_without_speculation(model, params):
     assert spec_run.token_ids == plain_run.token_ids
     assert spec_run.stop_reason == plain_run.stop_reason and spec_run.cached == plain_run.cached
     assert spec_run.spec_steps > 0 and spec_run.spec_accepted <= spec_run.spec_drafted
+    assert_same_cache(b, 0, 1, plain_run.cached)
     # the slot's cache is the plain one's: a continuation from it gives the same ids again
     more = [9, 1]
     a = b.run(RunCommand(slot=0, keep=plain_run.cached, append=more, max_new_tokens=12, sampling=params))
@@ -140,6 +153,38 @@ def test_backend_stops_inside_an_accepted_draft(model):
     stop = want[7]
     got = b.run(RunCommand(slot=1, append=loop, max_new_tokens=30, speculative=8, stop_ids=(stop,)))
     assert got.token_ids == want[:want.index(stop) + 1] and got.stop_reason == "stop"
+
+
+def test_backend_cache_after_rejected_drafts_is_the_plain_one(model):
+    """A prompt whose lookups the model does not follow: drafts are rejected, the rejected positions'
+    keys and values are dropped, and what the cache holds is bitwise the plain run's."""
+    b = backend(model)
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9, 22, 5, 9, 31, 5, 9]
+    plain_run = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=24), ignore_eos=True)
+    spec_run = b.run(RunCommand(slot=1, append=prompt, max_new_tokens=24, speculative=8), ignore_eos=True)
+    assert spec_run.token_ids == plain_run.token_ids and spec_run.cached == plain_run.cached
+    assert spec_run.spec_accepted < spec_run.spec_drafted               # something was rejected
+    assert b.slots[1].pos == spec_run.cached
+    assert_same_cache(b, 0, 1, plain_run.cached)
+
+
+def test_backend_eos_inside_an_accepted_draft(model):
+    """EOS drawn in the middle of a pass's accepted drafts ends the run there: the drafts after it
+    are not given out and not kept in the cache."""
+    greedy = SamplingParams()
+    b = backend(model)
+    prompt = [1, 2]
+    loop = prompt + b.run(RunCommand(slot=0, append=prompt, max_new_tokens=30), ignore_eos=True).token_ids
+    want = b.run(RunCommand(slot=0, append=loop, max_new_tokens=30), ignore_eos=True).token_ids
+    eos = want[9]
+    cfg = dataclasses.replace(model.cfg, eos_token_id=eos)
+    b = backend(model, cfg)
+    plain_run = b.run(RunCommand(slot=0, append=loop, max_new_tokens=30, sampling=greedy))
+    spec_run = b.run(RunCommand(slot=1, append=loop, max_new_tokens=30, sampling=greedy, speculative=8))
+    assert plain_run.token_ids == want[:want.index(eos) + 1] and plain_run.stop_reason == "eos"
+    assert spec_run.token_ids == plain_run.token_ids and spec_run.stop_reason == "eos"
+    assert spec_run.spec_accepted > 0 and spec_run.cached == plain_run.cached == b.slots[1].pos
+    assert_same_cache(b, 0, 1, plain_run.cached)
 
 
 def test_protocol_speculative_field():
