@@ -1,14 +1,18 @@
 """Speculative decoding rows: each agent-like task of bench/agent_tasks.json decoded greedily with and
 without prompt-lookup speculation, in the same run on the same backend; tokens/s of both, mean tokens
-per verify pass, and whether the ids are identical (they must be).
+per verify pass, and whether the ids are identical (they must be). On the cpu backend, also the cost
+of one verify pass of k + 1 = 2, 4, 8 positions relative to one fast decode step, at the position
+after the first task's prompt (medians of --reps rounds that interleave the sizes, so a load that
+comes and goes falls on all of them alike).
 
-    python3 bench/speculative.py [--model M] [--backend cpu|cuda] [-n 128] [--k 8] [--json]
+    python3 bench/speculative.py [--model M] [--backend cpu|cuda] [-n 128] [--k 8] [--reps 9] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -16,10 +20,38 @@ from kog_dist.backend import RunCommand
 from kog_dist.formats import open_model
 from kog_dist.models import resolve_model
 from kog_dist.tokenizer import load_tokenizer
+from workers.cpu_verify import supports as fast_verify_supports
+from workers.cpu_verify import verify_rows
 from workers.factory import make_backend, resolve
 from workers.oneshot import end_of_turn_ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = (2, 4, 8)
+
+
+def verify_cost(backend, ids, reps: int, slot: int = 1) -> dict | None:
+    """{"step_ms": one fast step, "T": verify pass of T positions / one step} on a cpu backend whose
+    decoder has the fast verify pass; None on other backends."""
+    d = getattr(backend, "decoder", None)
+    if not fast_verify_supports(d):
+        return None
+    backend.free(slot)
+    backend.run(RunCommand(slot=slot, append=ids, max_new_tokens=0))
+    eng = backend.slots[slot]
+    p, toks = eng.pos, [int(t) for t in ids[-max(SIZES):]]
+    times = {T: [] for T in (1,) + SIZES}
+    for _ in range(reps):
+        for T in times:
+            t0 = time.perf_counter()
+            if T == 1:
+                d.step(eng, toks[0])
+            else:
+                verify_rows(d, eng, toks[:T])
+            times[T].append(time.perf_counter() - t0)
+            eng.truncate(p)
+    backend.free(slot)
+    one = statistics.median(times[1])
+    return {"step_ms": one * 1e3, **{str(T): statistics.median(times[T]) / one for T in SIZES}}
 
 
 def main(argv=None) -> int:
@@ -28,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=9, help="rounds of the verify-cost timing (0: skip it)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     src = open_model(resolve_model(a.model))
@@ -57,9 +90,11 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"[spec] {t['name']}: {row['plain_tokens_per_s']:.1f} -> {row['spec_tokens_per_s']:.1f} tok/s, "
               f"identical {row['identical']}", file=sys.stderr, flush=True)
+    first = tok.encode_chat([{"role": "user", "content": tasks[0]["prompt"]}])
+    cost = verify_cost(backend, first, a.reps) if a.reps > 0 else None
     backend.close()
     report = {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "k": a.k,
-              "max_new_tokens": a.max_new_tokens, "rows": rows}
+              "max_new_tokens": a.max_new_tokens, "rows": rows, "verify_cost": cost}
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -69,6 +104,9 @@ def main(argv=None) -> int:
         print(f"| {r['task']} | {r['kind']} | {r['new_tokens']} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | "
               f"{r['accepted']}/{r['drafted']} | {r['identical']} |")
+    if cost:
+        print(f"\nverify pass cost relative to one step ({cost['step_ms']:.1f} ms): " +
+              ", ".join(f"k + 1 = {T}: {cost[str(T)]:.2f}x" for T in SIZES))
     return 0 if all(r["identical"] for r in rows) else 1
 
 
