@@ -56,10 +56,14 @@ def lookup(context, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
 
 class AdaptiveDraft:
     """How many draft tokens to ask for next: fewer while drafts are rejected, none after a run of
-    rejections (then one probe every `probe_every` steps), back to k as they are accepted."""
+    rejections (then a one-token probe every `probe_every` steps, twice as far apart after each probe
+    that fails, up to `max_probe_every`: on free text, where lookups keep missing, a rejected probe
+    still costs a pass wider than one token), back to k as they are accepted."""
 
-    def __init__(self, k: int, probe_every: int = 8):
-        self.k_max, self.k, self.probe_every = k, k, probe_every
+    def __init__(self, k: int, probe_every: int = 8, max_probe_every: int = 32):
+        self.k_max, self.k = k, k
+        self.base_probe = self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
         self.misses, self.since_probe = 0, 0
 
     def size(self) -> int:
@@ -72,13 +76,17 @@ class AdaptiveDraft:
         if drafted == 0:
             return
         self.since_probe = 0
-        if accepted == drafted:
-            self.k, self.misses = min(self.k_max, max(1, self.k) * 2), 0
-        elif accepted == 0:
+        if accepted == 0:
+            if self.k == 0:            # a probe that failed
+                self.probe_every = min(self.max_probe_every, 2 * self.probe_every)
             self.misses += 1
             self.k = 0 if self.misses >= 3 else max(1, self.k // 2)
+            return
+        self.probe_every, self.misses = self.base_probe, 0
+        if accepted == drafted:
+            self.k = min(self.k_max, max(1, self.k) * 2)
         else:
-            self.k, self.misses = max(1, accepted + 1), 0
+            self.k = max(1, accepted + 1)
 
 
 def verify(logits_rows: np.ndarray, draft, params: SamplingParams, counter0: int) -> tuple[list[int], int]:

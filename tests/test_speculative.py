@@ -97,6 +97,34 @@ def test_cache_after_a_rejection_equals_plain_steps(model):
         np.testing.assert_allclose(e.caches[i].v[:, :, :n], e_plain.caches[i].v[:, :, :n], rtol=1e-5, atol=1e-6)
 
 
+def test_adaptive_draft_backs_off_and_recovers():
+    d = AdaptiveDraft(8)
+    sizes = []
+    for _ in range(3):                       # rejected at once: 8, 4, 2, then no drafts
+        sizes.append(d.size())
+        d.update(sizes[-1], 0)
+    assert sizes == [8, 4, 2] and d.k == 0
+    gaps = []
+    for _ in range(4):                       # failed probes: 8, 16, 32, 32 steps apart
+        n = 1
+        while d.size() == 0:
+            n += 1
+        gaps.append(n)
+        d.update(1, 0)
+    assert gaps == [8, 16, 32, 32], gaps
+    while d.size() == 0:
+        pass
+    d.update(1, 1)                           # a probe accepted: drafting again, doubling
+    assert d.size() == 2 and d.probe_every == 8
+    d.update(2, 2)
+    d.update(4, 4)
+    assert d.size() == 8
+    d.update(8, 3)                           # partial: one more than was accepted
+    assert d.size() == 4
+    d.update(0, 0)                           # no lookup match: nothing learnt
+    assert d.size() == 4
+
+
 def test_spec_params_ranges():
     SpecParams(k=8).validate()
     for bad in (dict(k=9), dict(k=-1), dict(k=True), dict(method="medusa"), dict(ngram=0)):
