@@ -1,6 +1,7 @@
 // mk_helpers.cuh: part of monokernel.cu (pasted in place after mk_multirank.cuh; not a standalone
 // header). Input planes in shared memory (xp, dotx), unit ranges of a block (brange, lane_units),
-// fused_step, wait_lanes, block_sum and warp_dot (the weight rows' dot products).
+// fused_step, wait_lanes, block_sum, warp_dot (the weight rows' dot products) and the layer phases'
+// prologue (phase_begin).
 #pragma once
 
 // ---- helpers -----------------------------------------------------------------------------------
@@ -218,4 +219,27 @@ __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long lo
   } else {
     prefetch_l2(p.w + e, wbytes(n), limit);
   }
+}
+
+// The prologue of the layer phases QKV, WO, W13 and W2: the entry mark, the block's units [ua, ub) of the
+// phase (U units of UE elements), the element E where layer i's region starts (region offset OFF; p.w and
+// p.ws), the first units' weights into shared memory (nbuf of them, wbuf_fill; `issue` false: an earlier phase
+// issued the copies) and an L2 prefetch of the rest (`prefetch`). Every block runs it, units or not, so its
+// copies and prefetches go out before the phase waits. The early return (ua >= ub) and the lanes l0, l1 stay
+// in the phases: computing the lanes here, ahead of the return, or E before the mark, changes nvcc's code
+// (bench/ptx_identity.py), and this helper keeps the kernels the GPU measured.
+struct PhaseUnits {
+  long long E;
+  int ua, ub, nbuf;
+};
+template <int U, int UE, long long OFF>
+__device__ __forceinline__ PhaseUnits phase_begin(const Params& p, float* sm, int n, int i, int ph, bool issue,
+                                                  bool prefetch) {
+  int ua, ub;
+  tmark(p, n, ph, 0);
+  brange(U, ua, ub);
+  const long long E = (long long)i * LAYER_SZ + OFF;
+  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE, ub - ua, UE, issue);
+  if (prefetch) prefetch_w(p, E + (long long)(ua + nbuf) * UE, (long long)(ub - ua - nbuf) * UE, PF);
+  return PhaseUnits{E, ua, ub, nbuf};
 }

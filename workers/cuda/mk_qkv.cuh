@@ -17,14 +17,9 @@ constexpr int SKEW_G = CFG_SKEW_GROUPS < 2 ? 2 : (CFG_SKEW_GROUPS > L ? (L < 2 ?
 constexpr long long SKEW_NS = L >= 2 ? CFG_SKEW_NS : 0;
 constexpr int SKEW_I = (USE_COMM && USE_EARLY && LG > 1 && DELTA < NL) ? DELTA : 0;
 __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {
-  int ua, ub;
   const int ph = 5 * i;
-  tmark(p, n, ph, 0);
-  brange(U_QKV, ua, ub);
-  const long long E = (long long)i * LAYER_SZ + OFF_QKV;   // element index of the region (p.w, p.ws)
-  const wt* W = p.w + E;                                    // (plain storage only: wbuf_fill, PFS > 0)
-  const int nbuf = wbuf_fill(sm, W + (long long)ua * UE_QKV, ub - ua, UE_QKV, !prefilled);
-  if (!prefilled) prefetch_w(p, E + (long long)(ua + nbuf) * UE_QKV, (long long)(ub - ua - nbuf) * UE_QKV, PF);
+  // prefilled: the token loop issued layer 0's copies and prefetch during the token wait
+  const auto [E, ua, ub, nbuf] = phase_begin<U_QKV, UE_QKV, OFF_QKV>(p, sm, n, i, ph, !prefilled, !prefilled);
   if (ua >= ub) return;
   const int l0 = ua / UPL_QKV, l1 = (ub - 1) / UPL_QKV;
   float* red = sm + SM_MAIN - 16 * 8 - 16;

@@ -3,13 +3,8 @@
 #pragma once
 
 __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
-  int ua, ub;
   const int ph = 5 * i + 3;
-  tmark(p, n, ph, 0);
-  brange(U_W13, ua, ub);
-  const long long E = (long long)i * LAYER_SZ + OFF_W13;
-  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_W13, ub - ua, UE_W13, true);
-  prefetch_w(p, E + (long long)(ua + nbuf) * UE_W13, (long long)(ub - ua - nbuf) * UE_W13, PF);
+  const auto [E, ua, ub, nbuf] = phase_begin<U_W13, UE_W13, OFF_W13>(p, sm, n, i, ph, true, true);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;

@@ -3,13 +3,8 @@
 #pragma once
 
 __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
-  int ua, ub;
   const int ph = 5 * i + 4;
-  tmark(p, n, ph, 0);
-  brange(U_W2, ua, ub);
-  const long long E = (long long)i * LAYER_SZ + OFF_W2;
-  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_W2, ub - ua, UE_W2, true);
-  prefetch_w(p, E + (long long)(ua + nbuf) * UE_W2, (long long)(ub - ua - nbuf) * UE_W2, PF);
+  const auto [E, ua, ub, nbuf] = phase_begin<U_W2, UE_W2, OFF_W2>(p, sm, n, i, ph, true, true);
   const MrPost mp = mr_post(p, 1, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;

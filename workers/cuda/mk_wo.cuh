@@ -21,12 +21,8 @@ __device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int t
 }
 
 __device__ void phase_wo(const Params& p, float* sm, int n, int i, int t, int tok) {
-  int ua, ub;
   const int ph = 5 * i + 2;
-  tmark(p, n, ph, 0);
-  brange(U_WO, ua, ub);
-  const long long E = (long long)i * LAYER_SZ + OFF_WO;
-  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE_WO, ub - ua, UE_WO, false);   // issued by ATT
+  const auto [E, ua, ub, nbuf] = phase_begin<U_WO, UE_WO, OFF_WO>(p, sm, n, i, ph, false, false);   // issued by ATT
   const MrPost mp = mr_post(p, 0, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;

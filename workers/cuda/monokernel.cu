@@ -15,7 +15,8 @@
 //   common.cuh        CFG_* configuration, storage types, conversions, memory helpers (with prefill.cu)
 //   mk_layout.cuh     rank count, units and weight layout, counters, shared-memory plan, Params, marks
 //   mk_multirank.cuh  exchanges between ranks (KOG_NRANKS > 1): epochs, LL words, mr_lane_sum
-//   mk_helpers.cuh    input planes, dot products, block ranges, counter wait (wait_lanes), block_sum, warp_dot
+//   mk_helpers.cuh    input planes, dot products, block ranges, counter wait (wait_lanes), block_sum, warp_dot,
+//                     the layer phases' prologue (phase_begin)
 //   mk_norms.cuh      residual reads (hval), stage_norms, stage_norms2, final_norms, writer_mask
 //   mk_combine.cuh    producers' combine, counter signal, wait_delayed, mr_final, KV prefetch
 //   mk_qkv.cuh        phase QKV (phase_qkv) and the lane skew
