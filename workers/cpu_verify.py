@@ -7,9 +7,11 @@ logits plain steps give at that position: greedy and seeded ids cannot depend on
 came out of a verify pass, and the KV entries written are the plain path's. What changes is the
 loop order: layer outer, position inner, so a layer's matrices (14 MB for SmolLM2-135M, inside a
 32 MB L3) come from memory once and from cache for the other k positions, and the tied LM head
-(113 MB, larger than any cache) is applied in blocks of rows that do fit. One GEMM over k + 1
-columns would also read each matrix once, but OpenBLAS's sgemm sums in another order than its
-sgemv (so ids could differ at near-ties) and on this 2-core machine it is no faster for k + 1 <= 8.
+(113 MB, larger than any cache) is applied in blocks of rows that do fit. On the 2-core EPYC this
+was written on, a GEMV from cache runs at about half a step's time (the kernel, not DRAM, is then the
+limit), so a pass costs about 1 + 0.5 k steps. One GEMM over the k + 1 columns would reuse each
+weight from registers (measured about 1.7x cheaper at 8 columns, dearer at 2), but OpenBLAS's sgemm
+sums in another order than its sgemv, so ids could then differ from plain decoding at near-ties.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import numpy as np
 from .cpu_decode import FastDecoder, set_blas_threads
 
 _F32 = np.float32
-HEAD_BLOCK = 4096   # LM head rows per block: 9.4 MB at D 576, cached while every position reads it;
-                    # a multiple of the GEMV kernels' row groups, so blocks sum as the whole matrix
+HEAD_BLOCK = 1024   # LM head rows per block: 2.4 MB at D 576, in L2/L3 while every position reads it
+                    # (faster here than 4096-row blocks); a multiple of the GEMV kernels' row groups,
+                    # so the blocks' sums are the whole matrix's
 
 
 def supports(decoder: FastDecoder | None) -> bool:
