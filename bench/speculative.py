@@ -5,7 +5,8 @@ of one verify pass of k + 1 = 2, 4, 8 positions relative to one fast decode step
 after the first task's prompt (medians of --reps rounds that interleave the sizes, so a load that
 comes and goes falls on all of them alike).
 
-    python3 bench/speculative.py [--model M] [--backend cpu|cuda] [-n 128] [--k 8] [--reps 9] [--json]
+    python3 bench/speculative.py [--model M] [--backend cpu|cuda] [-n 128] [--k 8] [--rounds 1] [--reps 9]
+                                 [--json]
 """
 from __future__ import annotations
 
@@ -60,9 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="plain and speculative runs of each task, alternated; tokens/s are the medians")
     ap.add_argument("--reps", type=int, default=9, help="rounds of the verify-cost timing (0: skip it)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.rounds < 1 or a.reps < 0 or a.max_new_tokens < 1 or not 1 <= a.k <= 8:
+        ap.error("--rounds and -n take 1 or more, --reps 0 or more, --k 1 to 8")
     src = open_model(resolve_model(a.model))
     tok = load_tokenizer(src)
     kind = resolve(a.backend)
@@ -71,22 +76,22 @@ def main(argv=None) -> int:
     rows = []
     for t in tasks:
         ids = tok.encode_chat([{"role": "user", "content": t["prompt"]}])
-        runs = {}
-        for k in (0, a.k):
-            cmd = RunCommand(slot=0, append=ids, max_new_tokens=a.max_new_tokens, speculative=k,
-                             stop_ids=end_of_turn_ids(cfg, tok))
-            backend.free(0)
-            t0 = time.perf_counter()
-            r = backend.run(cmd)
-            runs[k] = (r, time.perf_counter() - t0)
+        runs = {0: [], a.k: []}
+        for _ in range(a.rounds):
+            for k in runs:
+                cmd = RunCommand(slot=0, append=ids, max_new_tokens=a.max_new_tokens, speculative=k,
+                                 stop_ids=end_of_turn_ids(cfg, tok))
+                backend.free(0)
+                runs[k].append(backend.run(cmd))
         plain, spec = runs[0][0], runs[a.k][0]
+        tps = {k: statistics.median(r.decode_tokens_per_s for r in rs) for k, rs in runs.items()}
         row = {"task": t["name"], "kind": t["kind"], "prompt_tokens": len(ids), "new_tokens": len(plain.token_ids),
-               "plain_tokens_per_s": plain.decode_tokens_per_s, "spec_tokens_per_s": spec.decode_tokens_per_s,
-               "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s if plain.decode_tokens_per_s else 0.0,
+               "plain_tokens_per_s": tps[0], "spec_tokens_per_s": tps[a.k],
+               "speedup": tps[a.k] / tps[0] if tps[0] else 0.0,
                # tokens a verify pass gives: its accepted drafts plus the token it draws itself
                "tokens_per_step": (spec.spec_accepted + spec.spec_steps) / max(1, spec.spec_steps),
                "spec_steps": spec.spec_steps, "drafted": spec.spec_drafted, "accepted": spec.spec_accepted,
-               "identical": plain.token_ids == spec.token_ids}
+               "identical": all(r.token_ids == plain.token_ids for rs in runs.values() for r in rs)}
         rows.append(row)
         print(f"[spec] {t['name']}: {row['plain_tokens_per_s']:.1f} -> {row['spec_tokens_per_s']:.1f} tok/s, "
               f"identical {row['identical']}", file=sys.stderr, flush=True)
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
     cost = verify_cost(backend, first, a.reps) if a.reps > 0 else None
     backend.close()
     report = {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "k": a.k,
-              "max_new_tokens": a.max_new_tokens, "rows": rows, "verify_cost": cost}
+              "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "rows": rows, "verify_cost": cost}
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
