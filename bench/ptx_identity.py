@@ -12,11 +12,13 @@ from kog_dist.shapes import shape_config
 from workers.cuda import build
 src = build.source()
 cases = [("2b", "BF16", 1, False), ("2b", "BF16", 2, False), ("2b", "BF16", 1, True), ("smollm2-135m", "Q4_1", 1, False),
-         ("qwen2.5-0.5b", "BF16", 1, False), ("llama3.2-1b", "Q4_0", 1, False), ("2b", "Q8_0", 1, False), ("2b", "F32", 1, False)]
+         ("qwen2.5-0.5b", "BF16", 1, False), ("llama3.2-1b", "Q4_0", 1, False), ("2b", "Q8_0", 1, False), ("2b", "F32", 1, False),
+         # one lane in bf16: build.one_lane_units' CFG_PFS 65536, CFG_NR_WO 1, CFG_NR_W2 1; Params through global memory
+         ("smollm2-135m", "BF16", 1, False), ("2b", "BF16", 1, False, {"CFG_PCONST": 0})]
 def one(c):
-    name, dt, nr, marks = c
+    name, dt, nr, marks, extra = (c + ({},))[:5]
     cfg = shape_config(name)
-    d = build.defines(cfg, dt, 132, nranks=nr, marks=marks)
+    d = build.defines(cfg, dt, 132, extra=extra, nranks=nr, marks=marks)
     with tempfile.TemporaryDirectory() as t:
         f = os.path.join(t, "m.cu"); open(f, "w").write(src)
         r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-ptx", f, "-o", os.path.join(t, "m.ptx")] + [f"-D{k}={v}" for k, v in d.items()], capture_output=True, text=True)
