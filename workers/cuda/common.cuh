@@ -53,12 +53,6 @@
 #ifndef CFG_UBMAX
 #define CFG_UBMAX 12        // 16-byte loads in flight per lane in a row dot (over all its rows)
 #endif
-#ifndef CFG_CTR_STRIDE
-#define CFG_CTR_STRIDE 16   // counters on their own 128-byte lines
-#endif
-#ifndef CFG_PF_ATT
-#define CFG_PF_ATT (1 << 30)  // bytes of its WO rows each block prefetches when attention starts (all)
-#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -90,7 +84,9 @@ constexpr int QSB = QW == 3 ? 4 : 2;                        // bytes of a block'
 typedef unsigned long long qoff;
 constexpr int NB = CFG_NB, NT = CFG_NT, NW = NT / 32;
 constexpr int PF = CFG_PF;
-constexpr long long PF_ATT = CFG_PF_ATT;
+// bytes of its WO rows each block asks L2 for when attention starts: all of them, since attention leaves
+// the memory idle and WO comes next (off measured slower: docs/lab/benchmarks-2026-11.md)
+constexpr long long PF_ATT = 1ll << 30;
 constexpr int PFS = CFG_PFS;
 constexpr float EPS = CFG_EPS;
 static_assert(H % L == 0 && KV % L == 0 && F % L == 0 && H % KV == 0, "lane divisibility");

@@ -136,13 +136,13 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
   const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, e));   // rank q's: q * st further
   const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
   const MrPart m{nullptr, (const char*)w0, st * 8, tag, CH_FIN};   // every rank's rows, own included
-  for (int d0 = threadIdx.x; d0 < D; d0 += CFG_MRE * NT) {   // CFG_MRE elements' LG words in flight at once
-    MrRows<CFG_MRE> R;
+  for (int d0 = threadIdx.x; d0 < D; d0 += MRE * NT) {   // MRE elements' LG words in flight at once
+    MrRows<MRE> R;
 #pragma unroll
-    for (int k = 0; k < CFG_MRE; ++k) R.r[k] = d0 + k * NT < D ? d0 + k * NT : 0;
-    const MrSums<CFG_MRE> a = mr_lane_sums<CFG_MRE>(m, R, 0);
+    for (int k = 0; k < MRE; ++k) R.r[k] = d0 + k * NT < D ? d0 + k * NT : 0;
+    const MrSums<MRE> a = mr_lane_sums<MRE>(m, R, 0);
 #pragma unroll
-    for (int k = 0; k < CFG_MRE; ++k)
+    for (int k = 0; k < MRE; ++k)
       if (d0 + k * NT < D) y[xpv(d0 + k * NT, D)] = a.t[k] / (float)LG;
   }
   if (threadIdx.x == 0) {
@@ -153,9 +153,9 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
 }
 #endif
 
-#ifndef CFG_PF_KV
-#define CFG_PF_KV 65536   // bytes of keys (and of values) per attention unit; 0: off (719 vs 728 tok/s)
-#endif
+// bytes of keys (and of values) per attention unit asked of L2 at the end of QKV's rows (off measured
+// slower: docs/monokernel.md, third session)
+constexpr int PF_KV = 65536;
 // the attention chunks at position t of layer i: the first position lo, positions a chunk CH; returns the
 // chunks with positions (attention writes those, WO merges those)
 __device__ __forceinline__ int att_split(int i, int t, int& lo, int& CH) {
@@ -173,7 +173,6 @@ __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce)
 }
 // at the end of QKV's rows: the cached keys and values the block's attention units will read, into L2
 __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
-  if (CFG_PF_KV <= 0) return;
   int aa, ab;
   brange(U_ATT, aa, ab);
   for (int u = aa; u < ab; ++u) {
@@ -182,7 +181,7 @@ __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
     att_chunk(i, t, u % NCH, cs, ce);
     if (ce <= cs) continue;
     const long long off = (((long long)i * KV + g) * p.max_seq + cs) * HD;
-    prefetch_l2(p.kc + off, (long long)(ce - cs) * HD * sizeof(wt), CFG_PF_KV);
-    prefetch_l2(p.vc + off, (long long)(ce - cs) * HD * sizeof(wt), CFG_PF_KV);
+    prefetch_l2(p.kc + off, (long long)(ce - cs) * HD * sizeof(wt), PF_KV);
+    prefetch_l2(p.vc + off, (long long)(ce - cs) * HD * sizeof(wt), PF_KV);
   }
 }

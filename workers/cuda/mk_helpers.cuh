@@ -5,16 +5,13 @@
 #pragma once
 
 // ---- helpers -----------------------------------------------------------------------------------
-#ifndef CFG_XPLANES
-#define CFG_XPLANES 1
-#endif
 // An input vector x of K floats (K = D, HDL or FL) is kept in shared memory in planes of chunks: with CW
 // weights a 16-byte chunk of a row, float4 s of chunk c (x[c CW + 4 s .. + 3]) sits at (s K / CW + c) * 4,
 // so that the float4 loads of a warp's 32 consecutive chunks read consecutive addresses (no bank
 // conflicts). bf16 / fp16 rows (CW = VEC = 8): x[8c .. 8c+3] at 4c, x[8c+4 .. 8c+7] at K/2 + 4c;
 // fp32 (CW = 4): as is; quantized layer rows: CW = QCW (16 or 32). The LM head (in the storage type)
 // reads its input in the storage type's planes (xpv) also when the layers are quantized.
-constexpr bool XPL = CFG_XPLANES && VEC == 8;
+constexpr bool XPL = VEC == 8;   // bf16 / fp16 in planes (one plane measured slower: docs/monokernel.md)
 constexpr int XCW_W = XPL ? VEC : 4;            // planes of the storage type's rows
 constexpr int XCW_L = QW ? QCW : XCW_W;         // planes of the layer matrices' inputs
 template <int CW>
@@ -38,9 +35,8 @@ __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
 }
 // dot of one quantized chunk c of a row of K (16 bytes of quants w, its block's scale word sc) with x
 // (planes xp): the integers' dot, then times d (plus m times the sum of x for Q4_1)
-#ifndef CFG_QUB
-#define CFG_QUB 8      // at most this many 16-byte loads of quants in flight a lane
-#endif
+// at most this many 16-byte loads of quants in flight a lane (24 measured neutral: BENCHMARKS.md)
+constexpr int QUB = 8;
 template <int K>
 __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c) {
   constexpr int NC = K / QCW;
@@ -115,9 +111,6 @@ __device__ float block_sum(float v, float* red) {
 // are not read. All lanes get the NR sums.
 #ifndef CFG_UB_QKV
 #define CFG_UB_QKV CFG_UBMAX   // loads in flight per lane in the QKV rows (build.qkv_loads: 24 for one and two ranks)
-#endif
-#ifndef CFG_UB_WO
-#define CFG_UB_WO CFG_UBMAX    // ... in the output projection's rows
 #endif
 template <int NR, int K, bool SMEM = false, int UBM = CFG_UBMAX>
 __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, const float* xs, float* out) {
@@ -204,8 +197,8 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
 // a layer matrix's rows (element e of p.w's index), in whichever storage the build has
 template <int NR, int K, int UBM = CFG_UBMAX>
 __device__ __forceinline__ void wdot(const Params& p, long long e, int nvalid, const float* xs, float* out) {
-  // quantized: at most CFG_QUB loads in flight a lane (each 16-32 weights)
-  if constexpr (QW != 0) warp_dotq<NR, K, (UBM < CFG_QUB ? UBM : CFG_QUB)>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
+  // quantized: at most QUB loads in flight a lane (each 16-32 weights)
+  if constexpr (QW != 0) warp_dotq<NR, K, (UBM < QUB ? UBM : QUB)>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
   else warp_dot<NR, K, false, UBM>(p.w + e, nvalid, xs, out);
 }
 // bytes of n elements of the layer matrices, and the L2 prefetch of elements [e, e + n) (quants and scales)

@@ -60,7 +60,9 @@ constexpr int ATTP = HD + 2;                                // (acc[HD], m, l) p
 static_assert(V < (1 << 24), "the token word holds a token in 24 bits");
 enum { C_QKV = 0, C_ATT = 1, C_WO = 2, C_W13 = 3, C_W2 = 4 };
 constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STOP = 5 * L + 3, C_CANCEL = 5 * L + 4;
-constexpr int CTR_STRIDE = CFG_CTR_STRIDE;                   // u64 words between counters (16: own 128-byte line)
+// u64 words between counters: each on its own 128-byte line, so a lane's polls do not share a line with
+// another lane's releases (unpadded measured within the spread: docs/monokernel.md, "Versions")
+constexpr int CTR_STRIDE = 16;
 constexpr int NCTR = (5 * L + 5) * CTR_STRIDE;
 static_assert(C_CANCEL + 1 == NCTR / CTR_STRIDE, "the cancel word is the last counter (backend.py: the hang report)");
 #define CTR(p, k) ((p).ctr + (long long)(k) * CTR_STRIDE)
@@ -84,12 +86,10 @@ constexpr int SM_LM = D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
 constexpr int CB_OFF = cmax(SM_STAGE, SM_ATT);   // WO / W2 combine staging: clear of attention's scratch
 constexpr int SM_MAIN = cmax(CB_OFF + 2 * CB_ROWS, SM_LM) + 16 * 8 + 16;
-#ifndef CFG_NORM2
-#define CFG_NORM2 1
-#endif
 // stage_norms2 (a block's QKV and W13 units span at most 2 lanes): the norm weights of its lanes in
-// shared memory, copied before the block waits for the residual
-constexpr bool NORM2 = CFG_NORM2 && lanes_spanned(U_QKV, UPL_QKV) <= 2 && lanes_spanned(U_W13, UPL_W13) <= 2 &&
+// shared memory, copied before the block waits for the residual (docs/monokernel.md, third session);
+// otherwise (one lane, or blocks spanning more lanes) stage_norms
+constexpr bool NORM2 = lanes_spanned(U_QKV, UPL_QKV) <= 2 && lanes_spanned(U_W13, UPL_W13) <= 2 &&
                        (L < 8 ? L : 8) >= 2 && D % 4 == 0;
 constexpr int WBUF_OFF = ((SM_MAIN + 3) / 4) * 4;
 constexpr int GS_OFF = WBUF_OFF + PFS / 4;                       // [2][D] norm weights (NORM2)

@@ -98,10 +98,7 @@ __device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter
 
 // L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
 // lanes that finish first wait longest; 256 KB measured neutral in the fifth session)
-#ifndef CFG_PF_LM
-#define CFG_PF_LM CFG_PF
-#endif
-constexpr long long PF_LM = CFG_PF_LM;
+constexpr long long PF_LM = PF;
 // returns false when the generation ends with this token
 __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int ua, ub;

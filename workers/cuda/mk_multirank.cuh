@@ -105,9 +105,8 @@ __device__ __forceinline__ MrPart mr_part(const Params& p, int kind, int n, int 
   return MrPart{p.part + (long long)(i * 2 + kind) * L * D, kds.base[kds.rank] + mr_ll_off(1 + kind, 0, e),
                 (long long)MR_DEPTH * kds.slot_bytes, (unsigned)e, 1 + kind};
 }
-#ifndef CFG_MRE
-#define CFG_MRE 1
-#endif
+// elements whose LG words a reader has in flight at once (2 spilled and ran slower: docs/monokernel.md)
+constexpr int MRE = 1;
 // Readers issue every word's first load before they check any, so a sum of LG lanes costs one round trip,
 // not one per peer lane. If a word is not there yet, the sums are redone by a call that waits for the
 // missing words: nothing of the reader's is live across it, and its loop's registers stay off the common

@@ -142,9 +142,8 @@ __device__ __noinline__ void stage_norms2(const Params& p_, float* dst, int s, i
   } else {
 #if KOG_NRANKS > 1
     if (!fused_step(s)) {
-      constexpr int MRE = CFG_MRE;
       // the early layers: both lanes add the same sum of all LG lanes' partials (hval's arithmetic, once an
-      // element), CFG_MRE elements' loads in flight at once (2 spilled: 917-935 against 955-965 tokens/s)
+      // element), MRE elements' loads in flight at once
       const int i = (s - 1) / 2, kind = (s - 1) & 1;
       const MrPart m = mr_part(p, kind, mr_n_s, i);
 #pragma unroll
@@ -207,10 +206,8 @@ __device__ __noinline__ void stage_norms2(const Params& p_, float* dst, int s, i
 }
 // the final norm of every lane (residual version 2NL): into rows ([L][D], global) when given, else
 // their lane mean into y (shared): all lanes in batches of MAXL with one block reduction per batch
-#ifndef CFG_FNB
-#define CFG_FNB 4
-#endif
-constexpr int FNB = MAXL < CFG_FNB ? MAXL : CFG_FNB;   // lanes per batch (registers: FNB * DPT floats)
+// lanes per batch (registers: FNB * DPT floats; batches of 2 measured neutral: docs/lab/benchmarks-2026-11.md)
+constexpr int FNB = MAXL < 4 ? MAXL : 4;
 // wait_n >= 0: the block waits for each batch's lanes of token wait_n's last W2 before it reads them, so
 // the lanes that finish first are normed while the others still stream; wait_n < 0: the caller waited
 __device__ __noinline__ void final_norms(const Params& p_, int tok, float* red, float* rows, float* y, int wait_n) {

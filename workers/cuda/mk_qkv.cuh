@@ -3,17 +3,16 @@
 // the lane skew that delays the upper lanes' start of layer SKEW_I.
 #pragma once
 
-// Lane skew: the upper half of the lanes (CFG_SKEW_GROUPS 2) starts layer SKEW_I (the first whose residual
+// Lane skew: the upper half of the lanes starts layer SKEW_I (the first whose residual
 // needs no other lane's partial of the same layer) CFG_SKEW_NS later than the lower half. The halves' dependent chains then
 // stay apart, so one half's latency-bound steps (norm staging, attention, the small QKV and WO phases) run
 // while the other half streams W13 / W2 and the HBM idles less (2B on one H200: +2%, docs/monokernel.md).
 #ifndef CFG_SKEW_NS
 #define CFG_SKEW_NS 0
 #endif
-#ifndef CFG_SKEW_GROUPS
-#define CFG_SKEW_GROUPS 2   // lane groups g = 0..G-1 (by lane index) start g / (G - 1) * CFG_SKEW_NS late (measured: 2)
-#endif
-constexpr int SKEW_G = CFG_SKEW_GROUPS < 2 ? 2 : (CFG_SKEW_GROUPS > L ? (L < 2 ? 2 : L) : CFG_SKEW_GROUPS);
+// lane groups g = 0..G-1 (by lane index) start g / (G - 1) * SKEW_NS late: two halves (4 groups measured
+// neutral: docs/lab/benchmarks-2026-11.md)
+constexpr int SKEW_G = 2;
 constexpr long long SKEW_NS = L >= 2 ? CFG_SKEW_NS : 0;
 constexpr int SKEW_I = (USE_COMM && USE_EARLY && LG > 1 && DELTA < NL) ? DELTA : 0;
 __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int tok, bool prefilled) {

@@ -68,7 +68,7 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int t, int to
   reset_units();
   __syncthreads();
   tmark(p, n, ph, 3);
-  combine_rows<NR_WO, HDL, CFG_UB_WO>(p, sm, E, i, 0, ua, ub, nbuf, l0, cb, mp);
+  combine_rows<NR_WO, HDL, CFG_UBMAX>(p, sm, E, i, 0, ua, ub, nbuf, l0, cb, mp);
   tmark(p, n, ph, 4);
   signal_lanes(p, C_WO, UPL_WO, ua, ub);
   tmark(p, n, ph, 2);
