@@ -41,8 +41,9 @@
 #define CFG_PF 65536        // bytes of its next weights each block prefetches into L2 before it waits
 #endif
 #ifndef CFG_PFS
-#define CFG_PFS 0           // bytes of its next weights each block copies into shared memory before it waits
-                            // (98304 measured slower on H200: 537 vs 656 tokens/s, see docs/monokernel.md)
+#define CFG_PFS 0           // bytes of its next weights each block copies into shared memory before it waits:
+                            // none when the weights stream (reading them from shared memory is then the slower
+                            // path, docs/monokernel.md); build.one_lane_units sets it for small one-lane models
 #endif
 #ifndef CFG_NR_WO
 #define CFG_NR_WO 4         // rows per warp unit in the output projection

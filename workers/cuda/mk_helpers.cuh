@@ -88,8 +88,8 @@ __device__ __forceinline__ bool fused_step(int s) {   // residual s written by i
   return !(USE_COMM && USE_EARLY && i < DELTA && LG > 1);
 }
 
-// The first warp waits, lane k on counter l0 + k: several lanes' polls in flight at once (thread 0 polling
-// them one after another ran 732-744 tokens/s against 767-770, fifth session).
+// The first warp waits, lane k on counter l0 + k: several lanes' polls in flight at once, one round trip
+// instead of one a lane (thread 0 polling them in turn was slower: docs/monokernel.md, "Serial round trips").
 #define WAITER (threadIdx.x < 32)   // the threads that call wait_lanes
 __device__ __forceinline__ void wait_lanes(const Params& p, int phase, int l0, int l1, u64 target) {
   for (int l = l0 + (int)(threadIdx.x & 31); l <= l1; l += 32) SPIN(p, CTR(p, phase * L + l), target);

@@ -33,9 +33,9 @@ constexpr int KC = VCH / KL, PPW = 32 / KL;                     // its chunks a 
 #define CFG_ATT_MINPOS 0   // positions a chunk has at least (0: one lane NW * PPW / 2, else 1)
 #endif
 // With one lane, chunks in use at a position: about what half the block's warps take in one pass, so
-// that WO, whose every block merges all chunks of all heads, merges few (44 chunks of 15 positions at
-// t = 640 made the merge a fifth of a layer). With several lanes every chunk (the 2B shape's 8 a kv head)
-// is in use, as before: fewer there measured neutral.
+// that WO, whose every block merges all chunks of all heads, merges few (every chunk of a few positions each
+// made the merge a large part of a layer). With several lanes every chunk (the 2B shape's 8 a kv head)
+// is in use, as before: fewer there measured neutral (docs/monokernel.md, "One lane").
 constexpr int ATT_MINPOS = CFG_ATT_MINPOS > 0 ? CFG_ATT_MINPOS : (L == 1 ? NW * PPW / 2 : 1);
 constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
 constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
@@ -70,7 +70,7 @@ static_assert(C_CANCEL + 1 == NCTR / CTR_STRIDE, "the cancel word is the last co
 // shared memory (floats)
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // most lanes a block touches in a phase of U lane-major units (upl per lane): the staging area holds
-// only those (a smaller shared-memory carve-out leaves more L1: +100 KB of it cost 8% on the H200)
+// only those (a smaller shared-memory carve-out leaves more L1: docs/monokernel.md, second session)
 constexpr int lanes_spanned(int U, int upl) {
   int m = 1;
   for (int b = 0; b < NB; ++b) {
@@ -158,7 +158,7 @@ struct Params {   // every field 8 bytes; the one list: params.py reads it and t
 #endif
 };
 // CFG_PCONST 1: the kernel takes Params by value (__grid_constant__: the words are constant-bank operands
-// of the instructions that use them, +0.9% on the 2B shape on one H200) instead of a pointer whose words
+// of the instructions that use them, no load on the chain; docs/monokernel.md) instead of a pointer whose words
 // each block copies into shared memory and reads from there (0). The out-of-line functions read a shared
 // copy (ps_s): a pointer to a parameter is a generic one, read through L1.
 #ifndef CFG_PCONST
@@ -179,7 +179,7 @@ __device__ __forceinline__ u64 gtimer() {
 // phase slot ph (5*i + kind, 5NL: LM, 5NL+1: token wait), mark k (0 entry, 1 inputs ready, 2 done,
 // 3 inputs staged, the row loop starts, 4 rows done, before the signal; 3 and 4 in QKV, WO, W13, W2)
 // CFG_MARKS 1 compiles the marks in (build.py marks=True, `kog bench --profile`); without them the kernel
-// is 8 KB of machine code smaller and 1.4% faster (2B on one H200: a branch on p.timing at every mark)
+// has no branch on p.timing at every mark, less machine code and runs faster (docs/monokernel.md)
 #ifndef CFG_MARKS
 #define CFG_MARKS 0
 #endif

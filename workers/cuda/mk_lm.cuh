@@ -97,7 +97,7 @@ __device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter
 }
 
 // L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
-// lanes that finish first wait longest; 256 KB measured neutral in the fifth session)
+// lanes that finish first wait longest): PF as the layers' phases (more measured neutral: docs/monokernel.md)
 constexpr long long PF_LM = PF;
 // returns false when the generation ends with this token
 __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
@@ -125,7 +125,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
   int besti = 0x7fffffff;
 #if KOG_NRANKS == 1
   // the host's cancel flag: read here, off the sampler's path (a read of host memory is a PCIe round trip),
-  // by one thread of the grid (132 reads of one host word serialize on PCIe: 751 against 806 tokens/s), not a
+  // by one thread of the grid (a read by every block serializes on PCIe: docs/monokernel.md), not a
   // waiter, and handed to the sampler through its ticket
   if (blockIdx.x == 0 && tid == 32) *CTR(p, C_CANCEL) = (u64)*(volatile const int*)p.cancel;
 #endif

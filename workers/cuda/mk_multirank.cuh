@@ -110,7 +110,7 @@ constexpr int MRE = 1;
 // Readers issue every word's first load before they check any, so a sum of LG lanes costs one round trip,
 // not one per peer lane. If a word is not there yet, the sums are redone by a call that waits for the
 // missing words: nothing of the reader's is live across it, and its loop's registers stay off the common
-// path (two GPUs: 980.3 / 981.5 tokens/s with the call, 952.9 / 954.7 with the loop inlined)
+// path (inlined, it spilled loaded words and ran slower: docs/monokernel.md, thirteenth session)
 template <int E> struct MrRows { int r[E]; };
 template <int E> struct MrSums { float t[E], o[E]; };   // sums over the lanes; lane g's values
 __device__ __forceinline__ const u64* mr_word(const MrPart& m, int j, int r) {
@@ -151,7 +151,7 @@ __device__ __noinline__ MrSums<E> mr_lane_sums_polled(MrPart m, MrRows<E> R, int
         if (!mr_own(m, j)) ready &= (unsigned)(W[e][j] >> 32) == m.tag;
     if (ready || kccl_failed(kds)) break;   // failed: the caller's mr_bail leaves
     // wait on the first missing word alone (one load in flight, bounded by kccl_ll_get), then reload all:
-    // re-polling every word each time cost 2-3% (the 4096-context row 5%) in polling traffic
+    // re-polling every word each time cost polling traffic (docs/monokernel.md, thirteenth session)
     int q = 0, jj = 0, ee = 0;
 #pragma unroll
     for (int e = E - 1; e >= 0; --e)
@@ -169,7 +169,7 @@ __device__ __noinline__ MrSums<E> mr_lane_sums_polled(MrPart m, MrRows<E> R, int
 }
 // sums over all LG lanes (lane order) of the elements R.r[0..E), all E * LG loads in flight at once. m.own
 // null: every lane from the LL words (the final rows). Inlined (a call spilled its caller-saved registers
-// at every call site: two GPUs 926-937 tokens/s as a call, 951-956 inlined)
+// at every call site and ran slower: docs/monokernel.md, thirteenth session)
 template <int E>
 __device__ __forceinline__ MrSums<E> mr_lane_sums(const MrPart& m, const MrRows<E>& R, int g) {
   float P[E][LG];
@@ -194,8 +194,8 @@ __device__ __forceinline__ MrSums<E> mr_lane_sums(const MrPart& m, const MrRows<
   return mr_lane_sums_polled<E>(m, R, g);
 }
 // One element (the delayed term of stage_combine, hval): each peer word polled in turn, own lanes from
-// p.part. As one batch (mr_lane_sums<1>) the monokernel spilled 608 bytes (224 so) and two GPUs decoded
-// 965-980 / 848-872 tokens/s (128 + 512 / 4096 context) against 990-999 / 911-936 so (fourteenth session)
+// p.part. As one batch (mr_lane_sums<1>) the monokernel spilled more and two GPUs decoded slower, most at a
+// long context (docs/monokernel.md, fourteenth session)
 __device__ __forceinline__ float mr_lane_sum(const MrPart& m, int r, int g, float* own) {
   float P[LG];
   const int me = (int)kds.rank;

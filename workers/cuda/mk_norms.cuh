@@ -17,7 +17,7 @@ __device__ __forceinline__ float hval(const Params& p, int s, int l, int d, int 
   const float tot = mr_lane_sum(mr_part(p, kind, mr_n_s, i), d, 0, nullptr);
 #else
   const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D + d;
-  float P[L];   // all L loads in flight, then the sum in lane order (one after another: 770 vs 786 tokens/s)
+  float P[L];   // all L loads in flight, then the sum in lane order (one after another was slower: docs/monokernel.md)
 #pragma unroll
   for (int j = 0; j < L; ++j) P[j] = ldf(pp + (long long)j * D);
   float tot = P[0];
@@ -103,8 +103,8 @@ __device__ __noinline__ void stage_norms2(const Params& p_, float* dst, int s, i
   if (KOG_NRANKS == 1 && !fused_step(s)) {
     // the early layers: every lane's residual is its own base plus the same sum of all lanes' partials, so
     // the block's two lanes share one sum (L + 2 loads an element instead of 2L + 2); same bits as hval.
-    // All DPT * (L + 2) loads are issued before the first sum: one L2 round trip instead of 2 DPT (the
-    // staging of layers 1 and 2 took 4.1-4.3 us with one element's loads and sum after another, 2.5-2.8 now)
+    // All DPT * (L + 2) loads are issued before the first sum: one L2 round trip instead of 2 DPT (one
+    // element's loads and sum after another made the staging slower: docs/monokernel.md)
     const int i = (s - 1) / 2, kind = (s - 1) & 1;
     const float* pp = p.part + ((long long)(i * 2 + kind) * L) * D;
     float P[DPT][L], b[DPT][2];

@@ -6,7 +6,7 @@
 // Lane skew: the upper half of the lanes starts layer SKEW_I (the first whose residual
 // needs no other lane's partial of the same layer) CFG_SKEW_NS later than the lower half. The halves' dependent chains then
 // stay apart, so one half's latency-bound steps (norm staging, attention, the small QKV and WO phases) run
-// while the other half streams W13 / W2 and the HBM idles less (2B on one H200: +2%, docs/monokernel.md).
+// while the other half streams W13 / W2 and the HBM idles less (docs/monokernel.md, "Lane skew").
 #ifndef CFG_SKEW_NS
 #define CFG_SKEW_NS 0
 #endif

@@ -5,8 +5,8 @@
 
 // The output projection's combine inputs (residual base, delayed lanes' term) of the block's WO rows
 // [ua, ub), staged into shared memory (CB_OFF) at WO's entry, while attention may still run. Staged when
-// attention started instead (its wait and round trip then ahead of attention's own), 2B on one H200 ran
-// 792.1 / 797.0 / 788.7 tokens/s against 809.4 / 809.5 / 816.7 (sixth session).
+// attention started instead, its wait and round trip came ahead of attention's own and the kernel ran
+// slower (docs/monokernel.md, sixth session).
 __device__ void wo_stage_combine(const Params& p, float* sm, int n, int i, int tok, int ua, int ub) {
   const int l0 = ua / UPL_WO, l1 = (ub - 1) / UPL_WO;
   if (WAITER) {
