@@ -58,12 +58,9 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     """One-lane models (Llama-family checkpoints, one rank): every phase waits for all blocks of the one
     before, so a phase must keep every warp busy: one-row units in W2 (CFG_NR_W2; 2 for several lanes) and
     one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
-    into shared memory before each wait (CFG_PFS; bf16 / fp16 / fp32 only). Measured on one H200,
-    2026-12-02, 128 + 512 tokens, medians of 3, interleaved (BENCHMARKS.md): SmolLM2-135M shape 1676 ->
-    1799 tokens/s with the shared-memory copy (and 64-position attention chunks, the kernel's one-lane
-    default) -> 1867 with NR_WO 1 and NR_W2 1 (NR_W2 1 with NR_WO 4: 1765, NR_WO 2: 1818); Llama-3.2-1B
-    shape 1034 -> 1086 with NR_W2 1 and NR_WO 2 (NR_W2 1 alone 1065; the shared-memory copy 921: its
-    layers are 17x larger)."""
+    into shared memory before each wait (CFG_PFS; bf16 / fp16 / fp32 only; not for larger layers, which
+    stream: there the copy was slower). The SmolLM2-135M and Llama-3.2-1B shapes' runs of each choice:
+    BENCHMARKS.md "Results of 2026-12-02", docs/monokernel.md "One lane"."""
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
@@ -77,20 +74,18 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
 def qkv_loads(nranks: int = 1) -> int:
     """CFG_UB_QKV: 16-byte loads in flight per lane in a QKV unit (two rows of D). At 24 a unit's two 6 KB
     rows (12 loads a lane each for D = 3072 in bf16) go out in one batch, one round trip, instead of two
-    batches at the 12 of the other phases (2B shape, H200s, 2026-11-29, interleaved medians of 5 on three
-    leases: 830.6 / 834.9 against 821.3 / 811.1 / 821.2, 800.0 / 797.1 / 791.1 against 781.1 / 779.7 / 777.0,
-    832.8 / 826.4 against 811.7 / 819.4 tokens/s). Two ranks, one H200 each (2026-11-30, medians of 3,
-    interleaved): 939.0 / 941.0 / 940.3 against 930.4 / 933.5 / 929.8. Four and eight ranks keep 12 (no such
-    machine was lent to measure them)."""
+    batches at the 12 of the other phases: faster on the 2B shape with one and two ranks (the runs:
+    docs/monokernel.md, docs/lab/benchmarks-2026-11.md). Four and eight ranks keep 12 (no such machine was
+    lent to measure them)."""
     return 24 if nranks <= 2 else 12
 
 
 def prefetch_bytes(nranks: int = 1) -> int:
     """CFG_PF: bytes of its next weights each block asks L2 for before it waits. A rank's phases are 1/N of
-    the model's, so a rank of several needs less (2B shape, H200s, 2026-11-29, tokens/s):
-    - one rank: 64 KB (32 / 48 / 96 / 128 KB: 811.6 / 824.3 / 820.7 / 804.6 against 821.7-836.4; none: -4%);
-    - two ranks, one GPU each: 32 KB (931.2 / 934.5 against 906.5 / 908.3 at 64 KB; 16 KB 932.3 / 931.0,
-      24 KB 931.3 / 941.0, 48 KB 909.2 / 913.2, none 915.6 / 920.1);
+    the model's, so a rank of several needs less. Measured on the 2B shape (the sizes tried and their runs:
+    docs/lab/benchmarks-2026-11.md):
+    - one rank: 64 KB (smaller and larger sizes were slower, none most);
+    - two ranks, one GPU each: 32 KB (48 / 64 KB and none slower, 16 / 24 KB level);
     - more ranks: 64 KB as before, since no machine of 4 or 8 GPUs was lent to measure a smaller size."""
     return 32768 if nranks == 2 else 65536
 
@@ -99,11 +94,9 @@ def skew_ns(cfg, dtype: str, nranks: int = 1) -> int:
     """The lane skew (monokernel.cu, CFG_SKEW_NS): the upper half of a rank's lanes starts layer delta this
     many ns late. Only for models that stream at least 1 GB a token over several lanes a rank (for a small
     model it would only add its delay to every token), and only for the rank counts it was measured with
-    (2B shape, H200s, 2026-11-29):
-    - one rank: 10 us (745.6 against 729.3 tokens/s; 5 us 740.6, 20 us 724.6; at d7b8e7b 786-787 against
-      770-774 for 30 and 40 us);
-    - two ranks (4 lanes each, one GPU each): 30 us (860 / 868 against 813 / 818 / 817 without; 20 us
-      841 / 856, 25 us 864, 40 us 865);
+    on the 2B shape (the delays tried and their runs: docs/monokernel.md, fourth and fifth sessions):
+    - one rank: 10 us;
+    - two ranks (4 lanes each, one GPU each): 30 us;
     - more ranks: none (unmeasured; with 8 lanes, 4 ranks have 2 lanes each and 8 ranks one)."""
     from .weights import streamed_bytes
     if cfg.num_lanes // max(1, nranks) < 2 or streamed_bytes(cfg, dtype) < 1 << 30:
@@ -114,7 +107,8 @@ def skew_ns(cfg, dtype: str, nranks: int = 1) -> int:
 def default_blocks(cfg, sms: int) -> int:
     """One block per SM, rounded down to a multiple of the lane count when that keeps >= 85% of the SMs:
     then every block works on exactly one lane in every phase (no block straddles two lanes, no lane waits
-    for a straddling block). On the H200 (132 SMs, 8 lanes): 128 blocks, 698-701 against 656-667 tokens/s."""
+    for a straddling block). On the H200 (132 SMs, 8 lanes): 128 blocks, faster than 132 (docs/monokernel.md,
+    "Versions")."""
     nb = sms - sms % cfg.num_lanes
     return nb if nb >= 0.85 * sms else sms
 
@@ -201,9 +195,9 @@ class Kernels:
 
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True,
           extra: dict | None = None, nranks: int = 1, marks: bool = False) -> Kernels:
-    """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_NR_WO, CFG_UB_QKV, CFG_UB_WO,
-    CFG_XPLANES, CFG_NT, CFG_PFS, CFG_PF_ATT, CFG_SKEW_NS; several ranks: CFG_MRE); the defaults
-    are what the backend uses.
+    """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_PF, CFG_PFS, CFG_NR_WO, CFG_NR_W2,
+    CFG_UBMAX, CFG_UB_QKV, CFG_NT, CFG_SKEW_NS, CFG_ATT_MINPOS, CFG_PCONST); the defaults are what the
+    backend uses.
     nranks > 1: the kernel of one rank of the multi-rank backend (cfg: the model's config; nblocks: given
     by the backend)."""
     import cupy as cp
