@@ -36,14 +36,14 @@ class SpecParams:
         return self
 
 
-def lookup(context, k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def lookup(context, k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens,
-    n = max_ngram down to 1 (the longest match wins; ties: the latest)."""
+    n = max_ngram down to min_ngram (the longest match wins; ties: the latest)."""
     ctx = np.asarray(context, dtype=np.int64)
     T = ctx.size
     if k <= 0 or T < 2:
         return []
-    for n in range(min(max_ngram, T - 1), 0, -1):
+    for n in range(min(max_ngram, T - 1), max(1, min_ngram) - 1, -1):
         tail = ctx[T - n:]
         # windows ctx[s:s+n] for s in [0, T-n): an earlier occurrence with at least one token after it
         win = np.lib.stride_tricks.sliding_window_view(ctx[:T - 1], n)
@@ -60,8 +60,11 @@ class AdaptiveDraft:
     that fails, up to `max_probe_every`: on free text, where lookups keep missing, a rejected probe
     still costs a pass wider than one token), back to k as they are accepted."""
 
-    def __init__(self, k: int, probe_every: int = 8, max_probe_every: int = 32):
-        self.k_max, self.k = k, k
+    def __init__(self, k: int, probe_every: int = 8, max_probe_every: int = 32, start: int | None = None):
+        """start: the first draft's size (None: k); a backend whose verify positions are dear starts
+        lower and doubles up to k as drafts are accepted."""
+        self.k_max = k
+        self.k = k if start is None else max(0, min(k, start))
         self.base_probe = self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
         self.misses, self.since_probe = 0, 0
@@ -104,14 +107,14 @@ def verify(logits_rows: np.ndarray, draft, params: SamplingParams, counter0: int
 
 
 def step(engine, last: int, context, params: SamplingParams, draft_len: int,
-         max_ngram: int = MAX_NGRAM, forward=None) -> tuple[list[int], int, int]:
+         max_ngram: int = MAX_NGRAM, forward=None, min_ngram: int = 1) -> tuple[list[int], int, int]:
     """One verify pass on a reference engine whose cache holds `context` minus `last` (the last
     sampled token, not yet fed). Returns (tokens, drafted, accepted); the cache is left holding `last`
     and the accepted drafts, i.e. everything but the final token, as after plain steps. A caller that
     stops early (EOS, stop id, max tokens) after token j truncates the cache to its position.
     forward(engine, ids) -> logits [len(ids), V], appending the ids to the cache (a backend's faster
-    pass); None: the engine's own batched forward."""
-    draft = lookup(context, draft_len, max_ngram)
+    pass); None: the engine's own batched forward. min_ngram: the shortest match that drafts."""
+    draft = lookup(context, draft_len, max_ngram, min_ngram)
     start = engine.pos
     ids = np.asarray([last] + draft, dtype=np.int64)
     rows = forward(engine, ids) if forward else engine.forward(ids, all_logits=True)

@@ -55,6 +55,9 @@ def test_lookup_takes_the_longest_latest_match():
     assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
     assert lookup([9, 3, 7, 1, 3, 8, 1, 3], 2) == [8, 1]        # "1 3" after the 2-gram, not "3" alone
     assert lookup([5, 6, 7], 2) == [] and lookup([5], 4) == [] and lookup([1, 2, 1], 0) == []
+    ctx = [1, 2, 3, 9, 5, 2, 3, 7, 8, 2, 3]                    # "2 3" matches, no 3-gram does
+    assert lookup(ctx, 2) == [7, 8] and lookup(ctx, 2, min_ngram=2) == [7, 8]
+    assert lookup(ctx, 2, min_ngram=3) == [] and lookup(ctx + [7], 2, min_ngram=3) == [8, 2]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=11),
@@ -123,6 +126,10 @@ def test_adaptive_draft_backs_off_and_recovers():
     assert d.size() == 4
     d.update(0, 0)                           # no lookup match: nothing learnt
     assert d.size() == 4
+    d = AdaptiveDraft(8, start=4)            # a backend whose verify positions are dear starts lower
+    assert d.size() == 4
+    d.update(4, 4)
+    assert d.size() == 8
 
 
 def test_spec_params_ranges():
