@@ -45,9 +45,25 @@ class RawHTTP:
 
     def __init__(self, url):
         host, port = url.split("//", 1)[1].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)))
+        self.addr, self.host, self.sock = (host, int(port)), f"{host}:{port}", None
+        self._connect()
+
+    def _connect(self):
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = socket.create_connection(self.addr)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.host, self.buf = f"{host}:{port}", b""
+        self.buf = b""
+
+    def _idle_closed(self) -> bool:
+        """uvicorn closes a keep-alive connection idle for 5 s (a slow direct request in between)."""
+        self.sock.setblocking(False)
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        finally:
+            self.sock.setblocking(True)
 
     def _more(self):
         data = self.sock.recv(65536)
@@ -70,6 +86,8 @@ class RawHTTP:
     def post_stream(self, path, body):
         """Yields the body's chunks of a chunked response as they arrive."""
         data = json.dumps(body).encode()
+        if self._idle_closed():
+            self._connect()
         self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         status = self._line()

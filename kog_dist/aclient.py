@@ -10,18 +10,22 @@
     await c.close()
 
 Each request in flight has a DEALER connection of its own from a pool (the coordinator caps what one
-connection holds: half its queue, a few sessions); reader tasks route each reply by its `id` to the
-request's own queue, so a slow consumer never delays the others (its messages wait in its queue).
+connection holds: half its queue, a few sessions); each connection's file descriptor is watched by the
+event loop itself (``loop.add_reader``), whose callback drains the socket and routes each reply by its
+`id` to the request's own queue, so a slow consumer never delays the others (its messages wait in its
+queue). Plain sockets, no ``zmq.asyncio``: a token costs one callback and one wake-up of its consumer,
+not a Future, a timer and a task step per message (on two cores shared with the decode, every
+microsecond the gateway spends per token is taken from the decode; bench/serve_overhead.py).
 Cancelling goes over the request's connection, so the coordinator sees the request's owner asking.
 When the server's connections drop, every request in flight raises ``ServerGone`` at once.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
@@ -30,7 +34,9 @@ from .client import BusyError, ClientTimeout, ServerError, ServerGone, _curve
 __all__ = ["AsyncClient", "AsyncRequest", "BusyError", "ClientTimeout", "ServerError", "ServerGone"]
 
 _FINAL = ("result", "error")
-_timeout = getattr(asyncio, "timeout", None)
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class AsyncRequest:
@@ -38,10 +44,13 @@ class AsyncRequest:
 
     def __init__(self, client: "AsyncClient", rid: int, conn: "_Conn", owns_conn: bool = True):
         self.client, self.id, self.conn, self.owns_conn = client, rid, conn, owns_conn
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: collections.deque = collections.deque()
         self.rid = None                      # the server's request number, from `accepted`
         self.done = False
         self._back = None                    # a message ready_chunks() took but did not return
+        self._waiter = None                  # the Future a consumer waits on while the queue is empty
+        self._timer = None                   # one timer a request (not one a message): _on_timer
+        self._deadline = 0.0
 
     def __aiter__(self):
         return self
@@ -51,27 +60,52 @@ class AsyncRequest:
             raise StopAsyncIteration
         return self._take(await self._get(self.client.timeout))
 
+    def _put(self, msg) -> None:
+        """A reply (or an exception to raise) for the consumer; wakes it if it waits."""
+        self.queue.append(msg)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
     async def _get(self, timeout: float):
         if self._back is not None:
             m, self._back = self._back, None
             return m
-        if not self.queue.empty():            # the common case while a stream flows: no timer at all
-            return self.queue.get_nowait()
+        if self.queue:                        # the common case while a stream flows: no waiting at all
+            return self.queue.popleft()
+        loop = self.client._loop
+        self._deadline = loop.time() + timeout
+        # the timer stays armed across waits and only moves when it fires early (_on_timer) or a
+        # shorter wait needs it sooner: a token costs no timer of its own
+        if self._timer is None or self._timer.when() > self._deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(self._deadline, self._on_timer, timeout)
+        self._waiter = w = loop.create_future()
         try:
-            if _timeout is None:                   # Python 3.10
-                return await asyncio.wait_for(self.queue.get(), timeout)
-            async with _timeout(timeout):          # a timer handle, not a task per message (wait_for)
-                return await self.queue.get()
-        except (TimeoutError, asyncio.TimeoutError):
+            await w
+        finally:
+            self._waiter = None
+        return self.queue.popleft()
+
+    def _on_timer(self, timeout: float) -> None:
+        self._timer = None
+        if self.done:
+            return
+        loop = self.client._loop
+        w = self._waiter
+        if w is not None and not w.done() and loop.time() >= self._deadline:
             self._end()
-            raise ClientTimeout(f"no answer from {self.client.endpoint} within {timeout:g} s") from None
+            w.set_exception(ClientTimeout(f"no answer from {self.client.endpoint} within {timeout:g} s"))
+        elif w is not None and not w.done():
+            self._timer = loop.call_at(self._deadline, self._on_timer, timeout)
 
     def ready_chunks(self) -> list:
         """The `chunk` messages already waiting, without waiting (a consumer that fell behind sends
         them as one); the first message of another kind stays queued for the next __anext__."""
         out = []
-        while self._back is None and not self.queue.empty():
-            m = self.queue.get_nowait()
+        while self._back is None and self.queue:
+            m = self.queue.popleft()
             if isinstance(m, dict) and m.get("type") == "chunk":
                 out.append(m)
             else:
@@ -96,6 +130,9 @@ class AsyncRequest:
     def _end(self, reuse=True):
         if not self.done:
             self.done = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             self.client._pending.pop(self.id, None)
             if self.owns_conn:
                 self.client._release(self.conn, reuse)
@@ -121,11 +158,11 @@ class AsyncRequest:
                     pass
             # the connection can serve again: the leftover replies carry an id nobody waits for
             self._end()
-            self.queue.put_nowait(StopAsyncIteration())    # wakes a consumer waiting for the next message
+            self._put(StopAsyncIteration())        # wakes a consumer waiting for the next message
 
 
 class _Conn:
-    """One DEALER socket and the task that routes its replies."""
+    """One DEALER socket, its file descriptor watched by the event loop."""
 
     def __init__(self, client: "AsyncClient", heartbeat_s: float | None = None):
         s = client._ctx.socket(zmq.DEALER)
@@ -141,12 +178,38 @@ class _Conn:
             s.setsockopt(zmq.IPV6, 1)
         _curve(s, *client._keys)
         s.connect(client.endpoint)
-        self.sock, self.busy = s, 0
-        self.task = asyncio.get_running_loop().create_task(client._read(s))
+        self.sock, self.busy, self.client = s, 0, client
+        self.fd, self.loop = s.getsockopt(zmq.FD), client._loop
+        self.loop.add_reader(self.fd, self.drain)
+        self.closed = False
+
+    def drain(self):
+        """Route every reply waiting. ZMQ's descriptor is edge-triggered: it turns readable when the
+        socket's state changes, so this reads until EAGAIN and checks ZMQ_EVENTS before returning."""
+        sock, route = self.sock, self.client._route
+        for _ in range(4096):
+            try:
+                route(sock.recv(_NOBLOCK))
+            except zmq.Again:                      # woken by a state change without a message
+                return
+            except zmq.ZMQError:                   # closed under us
+                return
+            # ask before reading on rather than recv until EAGAIN: pyzmq builds that exception
+            # with its strerror text, which costs more than the message it ends
+            if self.closed or not sock.getsockopt(_EVENTS) & _POLLIN:
+                return
+        self.loop.call_soon(self.drain)           # a flood: let the consumers run, then go on
+
+    def sent(self):
+        """After a send: libzmq may have taken the descriptor's edge for replies already waiting."""
+        if self.sock.getsockopt(_EVENTS) & _POLLIN:
+            self.loop.call_soon(self.drain)
 
     def close(self, linger=0):
-        self.task.cancel()
-        self.sock.close(linger)
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.fd)
+            self.sock.close(linger)
 
 
 class AsyncClient:
@@ -162,27 +225,28 @@ class AsyncClient:
         P.endpoint_host(endpoint)                       # ValueError on a malformed endpoint
         self.endpoint, self.timeout = endpoint, float(timeout)
         self._keys = (server_key, client_key)
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = zmq.Context.instance()
+        self._loop = None
         self._main = self._mon = None
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
-        self._watch_task = None
         self._ids = itertools.count(1)
         self._pending: dict[int, AsyncRequest] = {}
         self.connected = False
 
     async def start(self) -> "AsyncClient":
+        self._loop = asyncio.get_running_loop()
         self._main = _Conn(self, heartbeat_s=1.0)
         # connect/disconnect events of the main connection: when the server goes, every connection does
         self._mon = self._main.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+        self._mon_fd = self._mon.getsockopt(zmq.FD)
+        self._loop.add_reader(self._mon_fd, self._watch)
+        self._loop.call_soon(self._watch)          # events queued before the descriptor was watched
         return self
 
     async def close(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            self._watch_task = None
         if self._main is not None:
+            self._loop.remove_reader(self._mon_fd)
             self._main.sock.disable_monitor()
             self._mon.close(0)
             self._main.close()
@@ -194,17 +258,6 @@ class AsyncClient:
         self._fail_all(ServerGone("the client is closed"))
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _read(self, sock):
-        plain = zmq.Socket.shadow(sock.underlying)    # drains without a Future per message
-        while True:
-            self._route(await sock.recv())
-            for _ in range(1024):
-                try:
-                    data = plain.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._route(data)
-
     def _route(self, data):
         try:
             msg = P.unpackb(data, P.MAX_REPLY_BYTES)
@@ -212,11 +265,17 @@ class AsyncClient:
             return
         req = self._pending.get(msg.get("id"))
         if req is not None:
-            req.queue.put_nowait(msg)
+            req._put(msg)
 
-    async def _watch(self):
-        while True:
-            ev = parse_monitor_message(await self._mon.recv_multipart())
+    def _watch(self):
+        mon = self._mon
+        while mon is not None and not mon.closed:
+            try:
+                ev = parse_monitor_message(mon.recv_multipart(_NOBLOCK))
+            except zmq.Again:
+                if not mon.getsockopt(_EVENTS) & _POLLIN:
+                    return
+                continue
             if ev["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
@@ -231,7 +290,7 @@ class AsyncClient:
 
     def _fail_all(self, exc):
         for req in list(self._pending.values()):
-            req.queue.put_nowait(exc)
+            req._put(exc)
 
     def _take(self) -> _Conn:
         if self._main is None:
@@ -262,6 +321,7 @@ class AsyncClient:
             conn.sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}), zmq.NOBLOCK)
         except zmq.Again:
             raise ClientTimeout(f"cannot send to {self.endpoint} (no connection)") from None
+        conn.sent()
 
     def request(self, msg: dict, _conn: _Conn | None = None) -> AsyncRequest:
         """Send a request now (on a connection of its own); iterate the AsyncRequest for its replies."""
