@@ -52,9 +52,13 @@ class CpuBackend(Backend):
             set_blas_threads(d.base_threads)
 
     def _verify(self):
-        """The verify pass for speculative steps: the fast one where the decoder's model has it."""
+        """The verify pass for speculative steps: the fast one where the decoder's model has it. A
+        pass with no draft (no match in the context) is the plain step itself, bitwise the same
+        logits, and its timing goes to the decoder's thread choice like every plain step's."""
         d = self.decoder
-        return (lambda eng, ids: verify_rows(d, eng, ids)) if fast_verify_supports(d) else None
+        if not fast_verify_supports(d):
+            return None
+        return lambda eng, ids: d.step(eng, int(ids[0]))[None] if len(ids) == 1 else verify_rows(d, eng, ids)
 
     def cached(self, slot: int) -> int:
         return len(self.tokens[slot]) if 0 <= slot < self.num_slots else 0
@@ -116,7 +120,7 @@ class CpuBackend(Backend):
                 toks, drafted, accepted = spec_step(eng, tok, held + [tok], cmd.sampling, k, forward=verify,
                                                     min_ngram=min_ngram)
                 drafts.update(drafted, accepted)
-                res.spec_steps += 1
+                res.spec_steps += drafted > 0          # verify passes: those that checked a draft
                 res.spec_drafted += drafted
                 res.spec_accepted += accepted
                 held.append(tok)
