@@ -222,6 +222,26 @@ def test_backend_eos_inside_an_accepted_draft(model):
     assert_same_cache(b, 0, 1, plain_run.cached)
 
 
+def test_backend_stop_string_inside_an_accepted_draft(model):
+    """A stop string is the caller's on_token returning False (kog_dist.coordinator): when it fires on
+    a token in the middle of a pass's accepted drafts, the run ends there with the plain run's ids and
+    cache, the drafts after it neither given out nor kept."""
+    b = backend(model)
+    prompt = [1, 2]
+    loop = prompt + b.run(RunCommand(slot=0, append=prompt, max_new_tokens=30), ignore_eos=True).token_ids
+    want = b.run(RunCommand(slot=0, append=loop, max_new_tokens=30), ignore_eos=True).token_ids
+    for j in (3, 10):
+        runs = []
+        for slot, k in ((0, 0), (1, 8)):
+            seen = []
+            r = b.run(RunCommand(slot=slot, append=loop, max_new_tokens=30, speculative=k),
+                      on_token=lambda t, seen=seen: seen.append(t) or len(seen) < j, ignore_eos=True)
+            assert seen == r.token_ids == want[:j] and r.stop_reason == "cancel"
+            runs.append(r)
+        assert runs[1].spec_accepted > 0 and runs[0].cached == runs[1].cached == b.slots[1].pos
+        assert_same_cache(b, 0, 1, runs[0].cached)
+
+
 def test_protocol_speculative_field():
     base = {"v": 1, "op": "generate", "prompt_ids": [1, 2]}
     assert parse_request(dict(base, speculative=True))["speculative"] == 8
