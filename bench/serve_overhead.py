@@ -1,16 +1,23 @@
 """What the HTTP gateway adds: the same streamed greedy request through `kog client` (the sync ZMQ
 client, straight to the coordinator) and through `kog serve`'s /v1/completions, alternated, side by side.
 
-    python bench/serve_overhead.py --model FILE.gguf [-n 64] [--reps 10] [--np 1] [--backend cpu]
+    python bench/serve_overhead.py --model FILE.gguf [-n 64] [--reps 10] [--np 1] [--backend cpu] [--blas-threads 1]
     python bench/serve_overhead.py --connect tcp://127.0.0.1:5555 --url http://127.0.0.1:8000
 
 Both are measured in this process, from sending the request: TTFT to the first token's event, and
 the time per token from the first event to the last over (tokens - 1). Each repetition changes the
 prompt's first characters, so every request prefills the same number of tokens (no prefix reuse).
+
+Two more columns say where a difference comes from: "decode/token" is the ranks' own decode time a
+token (the result's stats), so a gateway that slows the decode itself (CPU taken from it on a small
+machine) shows there, not only at the client; "gateway CPU/token" is the CPU time the `kog serve`
+process spent during the request over its tokens (Linux, when this script started it; its ranks are
+other processes), idle between requests as well as streaming.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -29,14 +36,30 @@ from kog_dist.client import Client  # noqa: E402
 PROMPT = "The river flows through the valley, and the people who live along its banks"
 
 
+def cpu_ns(pid) -> int | None:
+    """CPU time of every thread of a process so far (Linux schedstat), None where unknown."""
+    if pid is None:
+        return None
+    total, found = 0, False
+    for f in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(f) as fh:
+                total += int(fh.read().split()[0])
+            found = True
+        except (OSError, ValueError, IndexError):
+            pass
+    return total if found else None
+
+
 def direct(c, prompt, n):
     t0 = time.perf_counter()
     t_first = t_last = None
-    for ch in c.stream(prompt=prompt, max_new_tokens=n, temperature=0.0):
+    s = c.stream(prompt=prompt, max_new_tokens=n, temperature=0.0)
+    for ch in s:
         if ch["token_ids"]:
             t_last = time.perf_counter()
             t_first = t_first or t_last
-    return t0, t_first, t_last
+    return t0, t_first, t_last, s.result.stats
 
 
 class RawHTTP:
@@ -107,12 +130,15 @@ def gateway(http, url, prompt, n):
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     t_first = t_last = None
+    stats = {}
     for chunk in http.post_stream("/v1/completions", body):
         for ev in chunk.split(b"\n\n"):
             if ev.startswith(b"data: {") and b'"finish_reason":null' in ev:
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
-    return t0, t_first, t_last
+            elif b'"kog_stats"' in ev:
+                stats = json.loads(ev[6:])["kog_stats"]
+    return t0, t_first, t_last, stats
 
 
 def start_serve(a):
@@ -120,8 +146,10 @@ def start_serve(a):
            "--backend", a.backend]
     if a.max_seq:
         cmd += ["--max-seq", str(a.max_seq)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=REPO))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    if a.blas_threads:          # the ranks' BLAS threads (kog serve passes its environment on)
+        env.update(OPENBLAS_NUM_THREADS=str(a.blas_threads), OMP_NUM_THREADS=str(a.blas_threads))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     url = control = None
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (url is None or control is None):
@@ -151,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--url")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--blas-threads", type=int, default=None,
+                    help="BLAS threads of the ranks (default: theirs; 1 leaves a core to the gateway on 2 cores)")
     a = ap.parse_args(argv)
     proc = None
     if a.connect:
@@ -172,24 +202,32 @@ def main(argv=None):
                 for name in (list(rows) if i % 2 == 0 else list(rows)[::-1]):
                     is_direct = name.startswith("kog client")
                     prompt = f"{i:03d}{'d' if is_direct else 'g'} {PROMPT}"
-                    t0, tf, tl = direct(zc, prompt, a.n) if is_direct else gateway(http, url, prompt, a.n)
-                    rows[name].append(((tf - t0) * 1000, (tl - tf) * 1000 / max(1, a.n - 1)))
+                    c0 = cpu_ns(proc.pid if proc is not None else None)
+                    t0, tf, tl, st = direct(zc, prompt, a.n) if is_direct else gateway(http, url, prompt, a.n)
+                    c1 = cpu_ns(proc.pid if proc is not None else None)
+                    nt = int(st.get("new_tokens", a.n))
+                    rows[name].append(((tf - t0) * 1000, (tl - tf) * 1000 / max(1, a.n - 1),
+                                       float(st.get("decode_ms", 0.0)) / max(1, nt - 1),
+                                       (c1 - c0) / 1e6 / max(1, nt) if c0 is not None and c1 is not None else None))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    print(f"{a.reps} requests each, {a.n} tokens, greedy, streamed; medians (ms)")
-    print(f"{'path':<20} {'TTFT':>9} {'per token':>10}")
+    print(f"{a.reps} requests each, {a.n} tokens, greedy, streamed; medians (ms); load average "
+          f"{' '.join(open('/proc/loadavg').read().split()[:3]) if os.path.exists('/proc/loadavg') else '?'}")
+    print(f"{'path':<20} {'TTFT':>9} {'per token':>10} {'decode/token':>13} {'gateway CPU/token':>18}")
+    med = statistics.median
     for name, v in rows.items():
-        print(f"{name:<20} {statistics.median(x for x, _ in v):>9.3f} {statistics.median(y for _, y in v):>10.4f}")
+        cpu = [x[3] for x in v if x[3] is not None]
+        print(f"{name:<20} {med(x[0] for x in v):>9.3f} {med(x[1] for x in v):>10.4f} {med(x[2] for x in v):>13.4f} "
+              f"{med(cpu) if cpu else float('nan'):>18.4f}")
     # each repetition ran both paths back to back: the median of the paired differences follows the
     # gateway's cost even while other work on the machine makes both paths drift
     (d, g) = rows.values()
-    d_ttft = statistics.median(gi[0] - di[0] for di, gi in zip(d, g))
-    d_tok = statistics.median(gi[1] - di[1] for di, gi in zip(d, g))
-    base = statistics.median(y for _, y in d)
-    print(f"{'gateway adds':<20} {d_ttft:>9.3f} {d_tok:>10.4f}   ({100 * d_tok / base:+.2f}% per token; "
-          f"medians of the paired differences)")
+    diff = [med(gi[k] - di[k] for di, gi in zip(d, g)) for k in (0, 1, 2)]
+    base = med(x[1] for x in d)
+    print(f"{'gateway adds':<20} {diff[0]:>9.3f} {diff[1]:>10.4f} {diff[2]:>13.4f}   ({100 * diff[1] / base:+.2f}% "
+          f"per token; medians of the paired differences)")
 
 if __name__ == "__main__":
     main()
