@@ -228,6 +228,10 @@ def main(argv=None):
     base = med(x[1] for x in d)
     print(f"{'gateway adds':<20} {diff[0]:>9.3f} {diff[1]:>10.4f} {diff[2]:>13.4f}   ({100 * diff[1] / base:+.2f}% "
           f"per token; medians of the paired differences)")
+    if len(d) >= 4:             # how far the pairs spread: a difference inside it is noise
+        q = [statistics.quantiles([gi[k] - di[k] for di, gi in zip(d, g)], n=4) for k in (0, 1)]
+        print(f"{'  middle half':<20} {q[0][0]:>+.2f}..{q[0][2]:<+.2f} {q[1][0]:>+.3f}..{q[1][2]:+.3f}   "
+              f"(the paired differences' quartiles)")
 
 if __name__ == "__main__":
     main()

@@ -184,8 +184,8 @@ class _Conn:
         self.closed = False
 
     def drain(self):
-        """Route every reply waiting. ZMQ's descriptor is edge-triggered: it turns readable when the
-        socket's state changes, so this reads until EAGAIN and checks ZMQ_EVENTS before returning."""
+        """Route every reply waiting. ZMQ's descriptor is edge-triggered (it turns readable when the
+        socket's state changes), so this reads on while ZMQ_EVENTS says another message waits."""
         sock, route = self.sock, self.client._route
         for _ in range(4096):
             try:

@@ -1,0 +1,158 @@
+"""The gateway's per-token path without a model: kog_dist.aclient.AsyncClient against a real ZMQ ROUTER
+in a thread (timeouts that follow each wait, replies drained in order through the event loop's
+watch of the socket), and the streamed text events cut from chunk_body's JSON."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import zmq
+
+from kog_dist import protocol as P
+from kog_dist.aclient import AsyncClient, ClientTimeout
+
+try:
+    from json.encoder import encode_basestring
+
+    from kog_cli.gateway import openai_api as O
+    from kog_cli.gateway.app import _json, text_event_parts
+except ImportError as e:       # starlette missing
+    pytest.skip(f"kog serve's gateway needs {e.name}", allow_module_level=True)
+
+
+class Router(threading.Thread):
+    """Answers each request with `plan(msg)`: a list of (delay_s, reply fields) sent in order."""
+
+    def __init__(self, plan):
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint, self.plan, self.stop = f"tcp://127.0.0.1:{port}", plan, threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, data = self.sock.recv_multipart()
+            msg = P.unpackb(data)
+            for delay, reply in self.plan(msg):
+                time.sleep(delay)
+                self.sock.send_multipart([ident, P.packb({"v": P.VERSION, "id": msg["id"], **reply})])
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def router():
+    made = []
+
+    def make(plan):
+        made.append(Router(plan))
+        return made[-1]
+    yield make
+    for r in made:
+        r.stop.set()
+        r.join(5)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def _stream_plan(n, gap):
+    def plan(msg):
+        if msg["op"] != "generate":
+            return []                                      # silent: the caller times out
+        return [(0, {"type": "accepted", "rid": 1})] + \
+            [(gap, {"type": "chunk", "token_ids": [i], "text": str(i)}) for i in range(n)] + \
+            [(0, {"type": "result", "token_ids": list(range(n)), "text": "", "stop_reason": "length"})]
+    return plan
+
+
+def test_a_silent_server_times_out_after_the_wait_and_not_before(router):
+    r = router(lambda msg: [])
+
+    async def go():
+        c = await AsyncClient(r.endpoint, timeout=5).start()
+        t0 = time.monotonic()
+        with pytest.raises(ClientTimeout):
+            await c.call("health", timeout=0.3)
+        took = time.monotonic() - t0
+        await c.close()
+        return took
+    took = _run(go())
+    assert 0.29 <= took < 1.5, took
+
+
+def test_replies_slower_than_nothing_but_inside_the_timeout_never_time_out(router):
+    # 8 replies 0.15 s apart with a 0.4 s timeout: the request's one timer fires early, sees a later
+    # wait's deadline and moves, rather than timing out 0.4 s after the stream began
+    r = router(_stream_plan(8, 0.15))
+
+    async def go():
+        c = await AsyncClient(r.endpoint, timeout=0.4).start()
+        got = [m async for m in c.request({"op": "generate", "prompt": "x", "stream": True})]
+        await c.close()
+        return got
+    got = _run(go())
+    assert [m["type"] for m in got] == ["accepted"] + ["chunk"] * 8 + ["result"]
+    assert [m["text"] for m in got[1:-1]] == [str(i) for i in range(8)]
+
+
+def test_a_gap_longer_than_the_timeout_mid_stream_times_out(router):
+    def plan(msg):
+        return [(0, {"type": "accepted", "rid": 1}), (0.05, {"type": "chunk", "token_ids": [1], "text": "a"}),
+                (1.0, {"type": "chunk", "token_ids": [2], "text": "b"})]
+    r = router(plan)
+
+    async def go():
+        c = await AsyncClient(r.endpoint, timeout=0.3).start()
+        req = c.request({"op": "generate", "prompt": "x", "stream": True})
+        kinds = [(await req.__anext__())["type"], (await req.__anext__())["type"]]
+        t0 = time.monotonic()
+        with pytest.raises(ClientTimeout):
+            await req.__anext__()
+        took = time.monotonic() - t0
+        await c.close()
+        return kinds, took, req.done
+    kinds, took, done = _run(go())
+    assert kinds == ["accepted", "chunk"] and done
+    assert 0.25 <= took < 0.9, took
+
+
+def test_a_burst_is_drained_in_order_and_ready_chunks_takes_what_waits(router):
+    r = router(_stream_plan(3000, 0))
+
+    async def go():
+        c = await AsyncClient(r.endpoint, timeout=5).start()
+        req = c.request({"op": "generate", "prompt": "x", "stream": True})
+        assert (await req.__anext__())["type"] == "accepted"
+        await asyncio.sleep(0.5)                     # let the burst arrive while nobody reads
+        texts, merged = [], 0
+        async for m in req:
+            if m["type"] == "chunk":
+                more = req.ready_chunks()
+                merged = max(merged, len(more))
+                texts += [m["text"]] + [x["text"] for x in more]
+        await c.close()
+        return texts, merged
+    texts, merged = _run(go())
+    assert texts == [str(i) for i in range(3000)]
+    assert merged > 100                              # most of the burst waited: taken in one go
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("text", ["a", " \"quoted\" \\ back", "é ü 中文 🙂", "\n\t\x01\x1f", "\u2028\u2029", ""])
+def test_text_events_from_the_template_equal_chunk_body_json(chat, text):
+    head, mid = text_event_parts("cmpl-abc", 1764633600, 'model "x" \\ é', chat)
+    fast = b"".join((head, encode_basestring(text).encode(), mid, b"%d}\n\n" % 3))
+    ev = O.chunk_body("cmpl-abc", 1764633600, 'model "x" \\ é', chat, text)
+    ev["kog_tokens"] = 3
+    assert fast == b"data: " + _json(ev) + b"\n\n"
+    back = json.loads(fast[6:])
+    assert (back["choices"][0]["delta"]["content"] if chat else back["choices"][0]["text"]) == text
