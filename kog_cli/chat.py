@@ -195,10 +195,11 @@ def main(argv=None) -> int:
         if a.connect and (a.model or a.nranks != 1):
             raise UsageError("--connect talks to a running job: --model and --np belong to that job")
         control = a.connect or f"tcp://127.0.0.1:{free_port()}"
+        kind = None
         if not a.connect:
             sa = argparse.Namespace(model=a.model, nranks=a.nranks, backend=a.backend, max_seq=a.max_seq,
                                     slots=2, queue_limit=4, bind=None, dtype=a.dtype, speculative=a.speculative)
-            cmd = rank_command(sa, control)
+            cmd, kind = rank_command(sa, control)
         client = Client(control, timeout=a.timeout, server_key=a.server_key, client_key=a.client_key)
     except (UsageError, ValueError) as e:
         print(f"kog chat: error: {e}", file=sys.stderr)
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     finally:
         client.close()
         if proc is not None:
-            stop_ranks(proc)
+            stop_ranks(proc, kind)
 
 
 if __name__ == "__main__":

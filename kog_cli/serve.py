@@ -22,6 +22,7 @@ import sys
 import time
 
 from kog_dist import protocol as P
+from kccl.mpirun import signal_job
 from launch.cli import LaunchError, build_command, detect, free_port
 
 from .generate import _die_with_parent
@@ -122,7 +123,10 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def rank_command(a, control: str) -> list[str]:
+def rank_command(a, control: str) -> tuple[list[str], str | None]:
+    """The ranks' command line, and its launcher's kind (None for one rank, started directly). Several
+    ranks keep survivors (launch.cli.build_command): a dead rank then reaches the clients as
+    backend_failed from rank 0, not as a lost server, under MPICH and Open MPI alike."""
     cmd = [sys.executable, "-m", "workers", "--control", control, "--backend", a.backend,
            "--bind", a.bind or ("none" if a.nranks == 1 else "cores"), "--slots", str(a.slots),
            "--queue-limit", str(a.queue_limit), "--speculative", str(getattr(a, "speculative", 0))]
@@ -133,9 +137,10 @@ def rank_command(a, control: str) -> list[str]:
     if getattr(a, "dtype", None):
         cmd += ["--dtype", a.dtype]
     if a.nranks == 1:
-        return cmd
+        return cmd, None
     try:
-        return build_command(detect(), a.nranks, cmd)
+        launcher = detect()
+        return build_command(launcher, a.nranks, cmd, keep_survivors=True), launcher.kind
     except LaunchError as e:
         raise UsageError(f"--np {a.nranks} needs an MPI launcher: {e}") from None
 
@@ -147,13 +152,18 @@ def start_ranks(cmd: list[str]) -> subprocess.Popen:
                             preexec_fn=_die_with_parent)
 
 
-def stop_ranks(proc: subprocess.Popen, grace_s: float = 15.0) -> int | None:
-    """SIGTERM (the coordinator drains, tells the other ranks, all exit 0), then SIGKILL."""
+def stop_ranks(proc: subprocess.Popen, kind: str | None = None, grace_s: float = 15.0) -> int | None:
+    """SIGTERM (the coordinator drains, tells the other ranks, all exit 0), then SIGKILL. kind: the
+    launcher's (rank_command): Open MPI's mpirun takes SIGTERM as an abort, so there the ranks get it
+    themselves (kccl.mpirun.signal_job)."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
             break
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
+            if kind is not None and sig == signal.SIGTERM:
+                signal_job(proc.pid, sig, kind)
+            else:
+                os.killpg(proc.pid, sig)
         t = time.monotonic() + wait
         while proc.poll() is None and time.monotonic() < t:
             time.sleep(0.05)
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
         a = parser().parse_args(argv)
         check_args(a)
         control = a.connect or a.control or f"tcp://127.0.0.1:{free_port()}"
-        cmd = None if a.connect else rank_command(a, control)
+        cmd, kind = (None, None) if a.connect else rank_command(a, control)
         sock = listen(a.host, a.port)
     except (UsageError, ValueError) as e:
         print(f"kog serve: error: {e}", file=sys.stderr)
@@ -296,7 +306,7 @@ def main(argv=None) -> int:
         rc = 0
     finally:
         if proc is not None:
-            code = stop_ranks(proc)
+            code = stop_ranks(proc, kind)
             if code not in (0, None, -signal.SIGTERM) and proc.returncode is not None:
                 _say(f"the ranks exited with status {code}")
     return rc
