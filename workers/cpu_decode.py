@@ -202,56 +202,65 @@ class FastDecoder:
             if own:
                 set_blas_threads(self.base_threads)
 
-    def _step_one(self, eng, token_id: int, pos: int) -> np.ndarray:
-        """One lane in all (a Llama-family model): the combine rule is the plain residual (one lane's
-        sum is its own partial, so the delayed term is exactly 0), and everything is a 1-D vector."""
-        cfg, fw = self.cfg, self.fw
-        hd, kvl, g, nq, nk, F = self.hd, self.kvl, self.g, self.nq, self.nk, self.F
-        D, eps, scale = cfg.hidden_size, float(cfg.norm_eps), self.scale
-        qkv, gu, vec, t = self.qkv[0], self.gu[0], self.vec[0], self.tmp
-        q = qkv[:nq].reshape(kvl, g, hd)
-        k, v = qkv[nq:nq + nk].reshape(kvl, hd), qkv[nq + nk:].reshape(kvl, hd)
-        zqk = qkv[:nq + nk].view(np.complex64)        # interleaved RoPE pairs as complex numbers
-        gate, up = gu[:F], gu[F:]
-        rot = np.empty(hd // 2, np.complex64)
+    def one_lane_buffers(self, qkv, gu, vec, t) -> tuple:
+        """The work vectors of one position of a one-lane layer (layer_one) with their views."""
+        nq, nk, F, hd = self.nq, self.nk, self.F, self.hd
+        return (qkv, qkv[:nq].reshape(self.kvl, self.g, hd), qkv[:nq + nk].view(np.complex64).reshape(-1, hd // 2),
+                gu, gu[:F], gu[F:], vec, t)
+
+    def rope_rotation(self, pos: int) -> np.ndarray:
+        rot = np.empty(self.hd // 2, np.complex64)
         ang = pos * self.inv_freq                     # float64 angles, then float32, as the engine's
         rot.real, rot.imag = np.cos(ang), np.sin(ang)
-        zqk = zqk.reshape(-1, hd // 2)
+        return rot
+
+    def rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / self.cfg.hidden_size + float(self.cfg.norm_eps)))
+        n *= weight                                   # rms: the scalar in float64
+        return n
+
+    def layer_one(self, h, pos: int, rot, layer, K, V, bufs) -> None:
+        """One layer of a one-lane model at position pos, in place on the residual h: the combine rule is
+        the plain residual (one lane's sum is its own partial, so the delayed term is exactly 0). The one
+        place this arithmetic is written: the step and workers.cpu_verify's passes both call it, so a
+        verify pass's logits and KV entries are bitwise a step's."""
+        wqkv, bias, wo, wgu, wdown, g_attn, g_ffn, window = layer
+        qkv, q, zqk, gu, gate, up, vec, t = bufs
+        nq, nk = self.nq, self.nk
+        np.matmul(wqkv, self.rms(h, g_attn), out=qkv)
+        if bias is not None:
+            qkv += bias
+        zqk *= rot                                    # (x0 c - x1 s, x0 s + x1 c) per pair
+        K[:, pos] = qkv[nq:nq + nk].reshape(self.kvl, self.hd)
+        V[:, pos] = qkv[nq + nk:].reshape(self.kvl, self.hd)
         S = pos + 1
+        lo = max(0, S - window) if window else 0
+        s = np.matmul(q, K[:, lo:S].transpose(0, 2, 1))                # [kvl, g, S']
+        s *= self.scale
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        att = np.matmul(s, V[:, lo:S])                                  # [kvl, g, hd]
+        np.matmul(wo, att.reshape(nq), out=vec)
+        h += vec
+        np.matmul(wgu, self.rms(h, g_ffn), out=gu)
+        np.negative(gate, out=t)                      # gate / (1 + exp(-gate)) * up
+        np.exp(t, out=t)
+        t += _F32(1.0)
+        np.divide(gate, t, out=t)
+        t *= up
+        np.matmul(wdown, t, out=vec)
+        h += vec
+
+    def _step_one(self, eng, token_id: int, pos: int) -> np.ndarray:
+        """One lane in all (a Llama-family model): everything is a 1-D vector (layer_one)."""
+        bufs = self.one_lane_buffers(self.qkv[0], self.gu[0], self.vec[0], self.tmp)
+        rot = self.rope_rotation(pos)
         h = self.embed(np.asarray([token_id], dtype=np.int64)).astype(_F32)[0]
-        for c, (wqkv, bias, wo, wgu, wdown, g_attn, g_ffn, window) in zip(eng.caches, self.one):
-            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))       # rms: the scalar in float64
-            n *= g_attn
-            np.matmul(wqkv, n, out=qkv)
-            if bias is not None:
-                qkv += bias
-            zqk *= rot                                # (x0 c - x1 s, x0 s + x1 c) per pair
-            K, V = c.k[0], c.v[0]
-            K[:, pos] = k
-            V[:, pos] = v
-            lo = max(0, S - window) if window else 0
-            s = np.matmul(q, K[:, lo:S].transpose(0, 2, 1))                # [kvl, g, S']
-            s *= scale
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            att = np.matmul(s, V[:, lo:S])                                  # [kvl, g, hd]
-            np.matmul(wo, att.reshape(nq), out=vec)
-            h += vec
-            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
-            n *= g_ffn
-            np.matmul(wgu, n, out=gu)
-            np.negative(gate, out=t)                  # gate / (1 + exp(-gate)) * up
-            np.exp(t, out=t)
-            t += _F32(1.0)
-            np.divide(gate, t, out=t)
-            t *= up
-            np.matmul(wdown, t, out=vec)
-            h += vec
-        eng.pos = S
-        n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
-        n *= fw.norm[0]
-        return np.matmul(fw.head, n)
+        for c, layer in zip(eng.caches, self.one):
+            self.layer_one(h, pos, rot, layer, c.k[0], c.v[0], bufs)
+        eng.pos = pos + 1
+        return np.matmul(self.fw.head, self.rms(h, self.fw.norm[0]))
 
     def _step_lanes(self, eng, token_id: int, pos: int) -> np.ndarray:
         cfg, fw, nl = self.cfg, self.fw, self.nl

@@ -1,8 +1,8 @@
 """The CPU backend's speculative verify pass: k + 1 positions (the last sampled token and k drafts)
 through every layer of a one-lane model in one pass over the weights, logits for every position.
 
-Each position's arithmetic is FastDecoder._step_one's, call for call (the same GEMVs on the same
-fused float32 matrices, the same RoPE, attention and rms), so row t of the result is bitwise the
+Each position's arithmetic is FastDecoder.layer_one, the function the plain step calls (the same GEMVs
+on the same fused float32 matrices, the same RoPE, attention and rms), so row t of the result is bitwise the
 logits plain steps give at that position: greedy and seeded ids cannot depend on whether a token
 came out of a verify pass, and the KV entries written are the plain path's. What changes is the
 loop order: layer outer, position inner, so a layer's matrices (14 MB for SmolLM2-135M, inside a
@@ -14,8 +14,6 @@ weight from registers (measured about 1.7x cheaper at 8 columns, dearer at 2), b
 sums in another order than its sgemv, so ids could then differ from plain decoding at near-ties.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -60,62 +58,20 @@ def verify_rows(decoder: FastDecoder, eng, ids) -> np.ndarray:
 
 
 def _rows_one(d: FastDecoder, eng, ids: list[int], pos0: int) -> np.ndarray:
-    cfg, fw = d.cfg, d.fw
     T = len(ids)
-    hd, kvl, g, nq, nk, F = d.hd, d.kvl, d.g, d.nq, d.nk, d.F
-    D, eps, scale = cfg.hidden_size, float(cfg.norm_eps), d.scale
-    QKV = np.empty((T, nq + 2 * nk), _F32)
-    GU = np.empty((T, 2 * F), _F32)
-    vec, t_buf = np.empty(D, _F32), np.empty(F, _F32)
-    rots = np.empty((T, hd // 2), np.complex64)
-    for t in range(T):
-        ang = (pos0 + t) * d.inv_freq                  # float64 angles, then float32, as the step's
-        rots[t].real, rots[t].imag = np.cos(ang), np.sin(ang)
+    QKV = np.empty((T, d.nq + 2 * d.nk), _F32)
+    GU = np.empty((T, 2 * d.F), _F32)
+    vec, t_buf = np.empty(d.cfg.hidden_size, _F32), np.empty(d.F, _F32)
+    bufs = [d.one_lane_buffers(QKV[t], GU[t], vec, t_buf) for t in range(T)]
+    rots = [d.rope_rotation(pos0 + t) for t in range(T)]
     # one embedding row at a time: the step's own call, so its dequantization is the step's
     H = [d.embed(np.asarray([tok], dtype=np.int64)).astype(_F32)[0] for tok in ids]
-    for c, (wqkv, bias, wo, wgu, wdown, g_attn, g_ffn, window) in zip(eng.caches, d.one):
-        K, V = c.k[0], c.v[0]
+    for c, layer in zip(eng.caches, d.one):      # layer outer: its matrices come from memory once
         for t in range(T):
-            h, qkv, gu = H[t], QKV[t], GU[t]
-            q = qkv[:nq].reshape(kvl, g, hd)
-            zqk = qkv[:nq + nk].view(np.complex64).reshape(-1, hd // 2)
-            p = pos0 + t
-            S = p + 1
-            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
-            n *= g_attn
-            np.matmul(wqkv, n, out=qkv)
-            if bias is not None:
-                qkv += bias
-            zqk *= rots[t]
-            K[:, p] = qkv[nq:nq + nk].reshape(kvl, hd)
-            V[:, p] = qkv[nq + nk:].reshape(kvl, hd)
-            lo = max(0, S - window) if window else 0
-            s = np.matmul(q, K[:, lo:S].transpose(0, 2, 1))                # [kvl, g, S']
-            s *= scale
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            att = np.matmul(s, V[:, lo:S])                                  # [kvl, g, hd]
-            np.matmul(wo, att.reshape(nq), out=vec)
-            h += vec
-            n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
-            n *= g_ffn
-            np.matmul(wgu, n, out=gu)
-            gate, up = gu[:F], gu[F:]
-            np.negative(gate, out=t_buf)              # gate / (1 + exp(-gate)) * up
-            np.exp(t_buf, out=t_buf)
-            t_buf += _F32(1.0)
-            np.divide(gate, t_buf, out=t_buf)
-            t_buf *= up
-            np.matmul(wdown, t_buf, out=vec)
-            h += vec
+            d.layer_one(H[t], pos0 + t, rots[t], layer, c.k[0], c.v[0], bufs[t])
     eng.pos = pos0 + T
-    N = []
-    for h in H:
-        n = h * (1.0 / math.sqrt(float(np.dot(h, h)) / D + eps))
-        n *= fw.norm[0]
-        N.append(n)
-    head = fw.head
+    N = [d.rms(h, d.fw.norm[0]) for h in H]
+    head = d.fw.head
     rows = np.empty((T, head.shape[0]), _F32)
     for b in range(0, head.shape[0], HEAD_BLOCK):
         blk = head[b:b + HEAD_BLOCK]
