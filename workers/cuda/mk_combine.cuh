@@ -185,3 +185,18 @@ __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
     prefetch_l2(p.vc + off, (long long)(ce - cs) * HD * sizeof(wt), PF_KV);
   }
 }
+// the end of WO (kind 0: K = HDL) and W2 (kind 1: K = FL) once the block's input is staged: its rows,
+// combined into the residual, and the lanes' counters released (marks 3, 4, 2)
+template <int NR, int K>
+__device__ __forceinline__ void combine_phase_end(const Params& p, float* sm, int n, int ph, long long E, int i,
+                                                  int kind, int ua, int ub, int nbuf, int l0, const float* cb,
+                                                  const MrPost& mp) {
+  cp_async_wait_all();
+  reset_units();
+  __syncthreads();
+  tmark(p, n, ph, 3);
+  combine_rows<NR, K, CFG_UBMAX>(p, sm, E, i, kind, ua, ub, nbuf, l0, cb, mp);
+  tmark(p, n, ph, 4);
+  signal_lanes(p, kind == 0 ? C_WO : C_W2, kind == 0 ? UPL_WO : UPL_W2, ua, ub);
+  tmark(p, n, ph, 2);
+}

@@ -22,12 +22,5 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
     for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
-  cp_async_wait_all();
-  reset_units();
-  __syncthreads();
-  tmark(p, n, ph, 3);
-  combine_rows<NR_W2, FL, CFG_UBMAX>(p, sm, E, i, 1, ua, ub, nbuf, l0, cb, mp);
-  tmark(p, n, ph, 4);
-  signal_lanes(p, C_W2, UPL_W2, ua, ub);
-  tmark(p, n, ph, 2);
+  combine_phase_end<NR_W2, FL>(p, sm, n, ph, E, i, 1, ua, ub, nbuf, l0, cb, mp);
 }

@@ -64,12 +64,5 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int t, int to
       }
       sm[(l - l0) * HDL + xp(x, HDL)] = A / Ls;
     }
-  cp_async_wait_all();
-  reset_units();
-  __syncthreads();
-  tmark(p, n, ph, 3);
-  combine_rows<NR_WO, HDL, CFG_UBMAX>(p, sm, E, i, 0, ua, ub, nbuf, l0, cb, mp);
-  tmark(p, n, ph, 4);
-  signal_lanes(p, C_WO, UPL_WO, ua, ub);
-  tmark(p, n, ph, 2);
+  combine_phase_end<NR_WO, HDL>(p, sm, n, ph, E, i, 0, ua, ub, nbuf, l0, cb, mp);
 }
