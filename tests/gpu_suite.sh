@@ -13,9 +13,9 @@ P="python3 -m pytest -q -p no:cacheprovider --durations=12"
 for step in ${STEPS:-nomps mps openmpi}; do case $step in
 nomps)   run gpu_nomps 330 $P -m gpu ;;
 mps)     nvidia-cuda-mps-control -d && sleep 1
-         KOG_TEST_MPS=1 run gpu_mps 240 $P -m gpu tests/test_cuda_multirank.py tests/test_kccl_cuda_gpu.py
+         KOG_TEST_MPS=1 run gpu_mps 300 $P -m gpu
          echo quit | nvidia-cuda-mps-control
-         for _ in $(seq 20); do pgrep -x nvidia-cuda-mps-server >/dev/null || pgrep -x nvidia-cuda-mps-control >/dev/null || break; sleep 0.5; done ;;
+         for _ in $(seq 20); do pgrep -f nvidia-cuda-mps-server >/dev/null || pgrep -f nvidia-cuda-mps-control >/dev/null || break; sleep 0.5; done ;;
 openmpi) rm -f /dev/shm/vader_segment.* 2>/dev/null; log "mpiexec: $(command -v mpiexec) $(mpiexec --version 2>&1 | head -1)"
          run openmpi 200 $P tests/test_frozen_rank.py tests/test_control_mpi.py tests/test_kccl_fault.py tests/test_mpi_helpers.py tests/test_launch_mpirun.py ;;
 *)       log "unknown step $step"; exit 2 ;;
