@@ -146,26 +146,29 @@ def start_serve(a):
            "--backend", a.backend]
     if a.max_seq:
         cmd += ["--max-seq", str(a.max_seq)]
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))))
     if a.blas_threads:          # the ranks' BLAS threads (kog serve passes its environment on)
         env.update(OPENBLAS_NUM_THREADS=str(a.blas_threads), OMP_NUM_THREADS=str(a.blas_threads))
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     url = control = None
+    seen = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (url is None or control is None):
         line = p.stderr.readline()
         if not line:
             break
+        seen.append(line.rstrip())
         m = re.search(r"HTTP on (http://\S+) .*coordinator (tcp://\S+)", line)
         if m:
             url, control = m.group(1), m.group(2)
     if url is None:
         p.kill()
-        raise SystemExit("kog serve did not start")
+        raise SystemExit("kog serve did not start: " + (" | ".join(seen[-3:]) or f"exit {p.wait()}"))
     line = p.stdout.readline()
     if "ready at" not in line:
         p.kill()
-        raise SystemExit(f"kog serve did not become ready: {line.strip()}")
+        err = [x for x in p.communicate(timeout=30)[1].splitlines() if x.strip()]
+        raise SystemExit(f"kog serve did not become ready: {line.strip() or (' | '.join(err[-3:]) if err else 'no output')}")
     return p, url, control
 
 

@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kog_gpu_suit
 mkdir -p "$OUT"
 . tests/gpu_steps.sh
 log "commit ${KOG_COMMIT:-$(git describe --always --dirty 2>/dev/null)}; $(nvidia-smi -L | head -1)"
-P="python3 -m pytest -q -p no:cacheprovider --durations=12"
+P="python3 -m pytest -q -ra -p no:cacheprovider --durations=12"
 for step in ${STEPS:-nomps mps openmpi}; do case $step in
 nomps)   run gpu_nomps 330 $P -m gpu ;;
 mps)     nvidia-cuda-mps-control -d && sleep 1

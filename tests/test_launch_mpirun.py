@@ -26,7 +26,7 @@ def model(tmp_path_factory):
 
 
 def planned_cores(n):
-    p = kog(["topo", "--ranks", str(n), "--json"], timeout=60)
+    p = kog(["topo", "--ranks", str(n), "--cpu", "--json"], timeout=60)   # the ranks run the cpu backend
     return {e["rank"]: sorted(e["cores"]) for e in json.loads(p.stdout)["plan"]["ranks"]}
 
 

@@ -98,6 +98,15 @@ def test_h200_cli_report_and_json():
     assert doc["plan"]["ranks"][0]["cores_list"] == "0-11,96-107"
     assert "nvml" not in " ".join(doc["machine"]["sources"])   # --sysfs-root switches NVML off
 
+    # --cpu: the plan of CPU-backend ranks, cores only, as many as asked (16 > the 8 GPUs)
+    r = kog_topo("--sysfs-root", fx("h200_hgx"), "--json", "--ranks", "16", "--cpu")
+    assert r.returncode == 0, r.stderr
+    ranks = json.loads(r.stdout)["plan"]["ranks"]
+    assert len(ranks) == 16 and all(e["gpu"] is None for e in ranks)
+    assert len({c for e in ranks for c in e["cores"]}) == sum(len(e["cores"]) for e in ranks)   # disjoint
+    r = kog_topo("--sysfs-root", fx("h200_hgx"), "--json", "--ranks", "16")
+    assert r.returncode == 2 and "16 ranks requested but the machine has 8 GPUs" in r.stderr
+
 
 # --- MI300X: SPX/NPS1 and CPX/NPS4 ----------------------------------------------------------
 

@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="kog topo", description="Probe the machine and plan rank placement.")
     ap.add_argument("--ranks", type=int, default=None,
                     help="ranks to plan (default: one per GPU, or per NUMA node without GPUs)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="plan CPU cores only: the placement of CPU-backend ranks (on a GPU machine too)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the report")
     ap.add_argument("--sysfs-root", metavar="DIR", default=None,
                     help="read a recorded sysfs tree instead of /sys (NVML and amd-smi are off)")
@@ -41,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _record(args) -> int:
-    if args.ranks is not None or args.json or args.amd_smi_json:
+    if args.ranks is not None or args.json or args.amd_smi_json or args.cpu:
         raise TopologyError("--record takes only --sysfs-root and --no-nvml")
     r = record(args.record, args.sysfs_root, use_nvml=False if args.no_nvml else None)
     print(f"kog topo: recorded {r['dest']}: {r['files']} files, {r['pci_devices']} PCI devices, "
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
             return _record(args)
         m = probe(sysfs_root=args.sysfs_root, amd_smi_json=args.amd_smi_json,
                   use_nvml=False if args.no_nvml else None)
-        p = plan(m, args.ranks)
+        p = plan(m, args.ranks, use_gpus=not args.cpu)
     except TopologyError as e:
         print(f"kog topo: error: {e}", file=sys.stderr)
         return 2
