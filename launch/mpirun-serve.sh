@@ -54,7 +54,10 @@ if [ -z "$CONTROL" ]; then
   CONTROL="tcp://127.0.0.1:$PORT"
 fi
 
-if command -v kog-worker >/dev/null 2>&1; then WORKER=(kog-worker); else WORKER=("$PY" -m workers); fi
+# absolute paths: Open MPI starts the ranks with its own prefix's bin first on PATH (Debian's mpirun: /usr/bin),
+# where `python3` can be another Python than ours (the GPU machine's: no numpy)
+PY=$(command -v "$PY" || echo "$PY")
+if command -v kog-worker >/dev/null 2>&1; then WORKER=("$(command -v kog-worker)"); else WORKER=("$PY" -m workers); fi
 [ -n "${KOG_WORKER:-}" ] && read -r -a WORKER <<<"$KOG_WORKER"
 
 # The plan the ranks will bind to (informational; the ranks compute it themselves).

@@ -254,7 +254,10 @@ def test_cancel_busy_and_disconnect(job, ref):
         for ch in sa:
             seen += ch["token_ids"]
         assert sa.result.stop_reason == "cancel" and sa.result.token_ids == seen
-        assert len(sa.result.token_ids) < n_at_cancel + 60 < 900   # a few tokens at most (2 shared cores)
+        # stopped within what the ranks decode while the cancel travels: 60 tokens on 2 shared cores, and on a
+        # fast machine (the GPU machine's 16 cores: ~80 more) what 50 ms of its decode rate gives
+        slack = 60 + int(0.05 * float(sa.result.stats.get("decode_tokens_per_s", 0.0)))
+        assert len(sa.result.token_ids) < n_at_cancel + slack and n_at_cancel + slack < 900, slack
         assert sa.result.token_ids == ref.ids(PROMPT, len(sa.result.token_ids))
         list(sb)
         assert sb.result.token_ids == ref.ids(PROMPT, 4)
