@@ -59,14 +59,13 @@ def run(a) -> int:
         # node), so that every rank leaves with the error and none is left waiting in the next collective
         keys = CurveKeys(a.curve_server_key, a.curve_clients) if a.curve_server_key else None
         check_endpoint(a.control, a.allow_remote, keys)
-    placed = _place(a, info)
-
     here = a.backend != "cpu" and cuda_available()
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
     everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
     kind, note = choose(a.backend, size, here, everywhere, cfg)
     if note and rank == 0:
         log(note)
+    placed = _place(a, info, use_gpus=kind == "cuda")   # before the buffers below, so they are near the rank
     max_floats = max(cfg.hidden_size, 1 << 16)
     comm = kccl.Communicator.create(world, transport="shm", max_floats=max_floats,
                                     depth=cfg.broadcast_delay + 2, tags=("attn", "mlp"))
@@ -207,10 +206,13 @@ def _unlink_mpi_segments(world, local_rank: int) -> None:
     world.Barrier()
 
 
-def _place(a, info) -> str:
+def _place(a, info, use_gpus: bool) -> str:
+    """Bind this rank as the node's plan says: one GPU a rank for the cuda backend; cores only for the cpu
+    backend, also on a GPU machine (there a GPU plan of more ranks than GPUs fails, and nothing was bound)."""
     if a.bind == "none":
         return "none"
-    done = place_rank(info.rank, info.size, info.local_rank, a.bind, local_size=info.local_size)
+    done = place_rank(info.rank, info.size, info.local_rank, a.bind, local_size=info.local_size,
+                      use_gpus=use_gpus)
     if done.get("error"):
         return f"skipped ({done['error']})"
     return f"{a.bind}: cores {done.get('cores')}, numa {done.get('numa')}, gpu {done.get('gpu')}"
