@@ -30,7 +30,7 @@ from .doorbell import Doorbell
 from .layout import check_create_args
 from .liveness import PeerWatch
 from .rendezvous import as_rendezvous
-from .shm import register, unregister
+from .shm import register, unlink_mpich_segments, unregister
 from .wait import BackoffPolicy, default_policy, wait_until
 
 COLL = 0  # channel id of the blocking collectives
@@ -104,6 +104,7 @@ class Communicator:
         channels = (("_coll", COLL_DEPTH),) + tuple((t, depth) for t in tags)
         lay = L.SegmentLayout(rdv.size, 4 * max_floats, channels)
         segs = open_segments(rdv, lay, prefix, unlink_after_attach)
+        unlink_mpich_segments()   # every rank is past MPI_Init now (open_segments' collectives)
         return cls(rdv.rank, rdv.size, segs, lay, tags, depth, max_floats, timeout,
                    policy or default_policy(nlocal))
 

@@ -100,6 +100,27 @@ def unlink_quietly(path: str) -> None:
 
 # ---- liveness ---------------------------------------------------------------------------------
 
+def unlink_mpich_segments() -> int:
+    """Drop the names of MPICH's node segments (/dev/shm/mpich_shm_*) this process has mapped; MPICH keeps
+    using its mappings. Their names outlive a rank that is killed or ends without MPI_Finalize. Call it only
+    once every rank of the node is past MPI_Init (after any collective): a rank still attaching needs the
+    name. Open MPI's segment is left alone (its finalize unlinks the name and complains when it is gone).
+    Returns how many names this call removed."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[5] for line in f if len(line.split()) == 6 and "/dev/shm/mpich_shm_" in line}
+    except OSError:
+        return 0
+    gone = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            gone += 1
+        except OSError:
+            pass   # another rank of the node removed it first
+    return gone
+
+
 def process_starttime(pid: int) -> int:
     """The process start time (clock ticks since boot) from /proc, 0 where /proc is unavailable."""
     try:

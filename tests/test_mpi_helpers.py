@@ -101,6 +101,7 @@ def test_keep_survivors_leaves_the_others_running(tmp_path):
     if not mpi_helpers.have_mpiexec():
         pytest.skip("no mpiexec")
     code = ("import os, signal, sys, time; from mpi4py import MPI; w = MPI.COMM_WORLD; w.Barrier()\n"
+            "from kccl.shm import unlink_mpich_segments; unlink_mpich_segments()\n"   # nothing left in /dev/shm
             "if w.rank == 1:\n"
             "    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'openmpi' else os._exit(137)\n"
             "time.sleep(1.5); sys.stdout.write(f'SURVIVED {w.rank}\\n'); sys.stdout.flush(); os._exit(1)\n")

@@ -13,6 +13,7 @@ import sys
 import kccl
 from kccl import optional
 from kccl.mpi_plain import allgather_bytes, allreduce_int, bcast_str, forbid_pickle
+from kccl.shm import unlink_mpich_segments
 from kog_dist.control_auth import CurveKeys, check_endpoint
 from kog_dist.coordinator import Coordinator
 from kog_dist.formats import open_model
@@ -186,23 +187,11 @@ def _say_once(world, msg, rank: int, rc: int, exc=None):
 
 
 def _unlink_mpi_segments(world, local_rank: int) -> None:
-    """MPICH's node segment (/dev/shm/mpich_shm_*) outlives a rank that is SIGKILLed. Every rank has it
-    mapped by now: drop its name, as kccl does with its own, so nothing is left in /dev/shm whatever way
-    the job ends; MPICH keeps using the mapping. Open MPI's vader segment is left alone: its finalize
-    unlinks the name itself and prints a system-call error when the name is gone (seen on the H200 with
-    Open MPI 4.1.6), and its mpirun cleans up after a killed rank."""
+    """MPICH's node segment outlives a SIGKILLed rank: once every rank has it mapped (the barrier), drop its
+    name (kccl.shm.unlink_mpich_segments), so nothing is left in /dev/shm whatever way the job ends."""
     world.Barrier()
     if local_rank == 0:
-        try:
-            with open("/proc/self/maps") as f:
-                segs = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
-        except OSError:
-            segs = set()
-        for path in segs:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        unlink_mpich_segments()
     world.Barrier()
 
 
