@@ -5,6 +5,8 @@ copy bandwidth and the PyTorch baselines measured in the same run.
   kog bench --shape smollm2-135m --dtype bf16,q4_1   one-lane Llama shapes; several storages in one run
   kog bench --model PATH               any checkpoint (Laneformer or HF directory, .gguf file)
   kog bench --shape 2b --json          one JSON object on stdout
+  kog bench --model M --speculative 8  speculative rows: agent-like tasks with and without prompt lookup
+                                       (--gen tokens a task, --reps rounds; kog_cli/bench_spec.py)
 
 Rows: pp<N> (time to first token of an N-token prompt: prefill + the first decode step + sampling),
 tg<G>@<P> (greedy decode of G tokens after a P-token prompt, median of --reps runs, timed by CUDA
@@ -154,6 +156,9 @@ def main(argv=None) -> int:
                     help="cuda: the monokernel; cpu: the numpy backend (needs --model); auto: cuda if there is a GPU")
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps (a build with the "
                     "marks compiled in, about 1.4%% slower than the decode build)")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="speculative rows instead (needs --model): the agent-like tasks decoded with and without "
+                         "prompt lookup of up to K (1..8) draft tokens, --gen tokens each, --reps rounds")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--json-out", help="also write the JSON report to this file")
     ap.add_argument("--np", type=int, default=1, dest="nranks",
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
     if err:
         print(f"kog bench: error: {err}", file=sys.stderr)
         return 2
+    if args.speculative:
+        return _speculative(args)
     from workers.factory import cuda_available
     if args.nranks != 1 and not args.in_mpi:
         err = _check_np(args)
@@ -307,6 +314,24 @@ def _check_np(args) -> str | None:
     except (ValueError, OSError) as e:
         return str(e).splitlines()[0]
     return None
+
+
+def _speculative(args) -> int:
+    if not 1 <= args.speculative <= 8:
+        print(f"kog bench: error: --speculative takes 1 to 8 draft tokens (got {args.speculative})", file=sys.stderr)
+        return 2
+    if args.model is None or args.nranks != 1:
+        print("kog bench: error: --speculative runs a real model's tokenizer and chat template on one rank: give "
+              "--model (and no --np)", file=sys.stderr)
+        return 2
+    from .bench_spec import run, table
+    report = run(args.model, args.backend, args.speculative, args.gen, args.reps, 3 * args.reps, _say)
+    report.update(commit=_commit(), args=vars(args))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, default=str, indent=1)
+    print(json.dumps(report, default=str) if args.json else table(report))
+    return 0 if all(r["identical"] for r in report["rows"]) else 1
 
 
 def _emit(report: dict, args) -> int:

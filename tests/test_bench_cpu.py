@@ -84,3 +84,37 @@ def test_table_says_when_the_rows_ran_the_profile_build():
     assert "profile build" not in table(rep)
     rep["monokernel"]["timing_marks"] = True
     assert "--profile: every row ran the profile build" in table(rep)
+
+
+def test_speculative_rows_on_the_default_model():
+    """`kog bench --model M --speculative K`: every agent-like task of kog_cli/agent_tasks.json with and without
+    prompt lookup, ids identical (the exit status says so too); the copy-heavy edits get drafts accepted, and
+    the verify pass's cost per size is reported (the cpu backend's fast pass)."""
+    import os
+    import pytest
+    from kog_dist.models import default_gguf_path
+    gguf = default_gguf_path()
+    if gguf is None or not os.path.isfile(gguf):
+        pytest.skip("the default model's GGUF is not on this machine")
+    r = kog("bench", "--backend", "cpu", "--model", gguf, "--speculative", "8", "--gen", "24", "--reps", "1",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    names = [row["task"] for row in rep["rows"]]
+    assert names == ["rename", "type_hints", "reformat", "fix", "story"], names
+    assert all(row["identical"] for row in rep["rows"])
+    edits = [row for row in rep["rows"] if row["kind"] == "edit"]
+    assert sum(row["accepted"] for row in edits) > 0 and all(row["spec_steps"] > 0 for row in edits), edits
+    for row in rep["rows"]:
+        assert row["accepted"] <= row["drafted"] and row["new_tokens"] <= 24
+    cost = rep["verify_cost"]
+    assert cost["step_ms"] > 0 and all(cost[str(t)] > 0 for t in (2, 4, 8))
+    t = kog("bench", "--backend", "cpu", "--model", gguf, "--speculative", "4", "--gen", "8", "--reps", "1")
+    assert t.returncode == 0 and "| reformat | edit |" in t.stdout and "verify pass cost" in t.stdout, t.stdout
+
+
+def test_speculative_rows_refuse_what_they_cannot_run():
+    r = kog("bench", "--shape", "smollm2-135m", "--speculative", "8")
+    assert r.returncode == 2 and "--speculative" in r.stderr and "give --model" in r.stderr, r.stderr
+    r = kog("bench", "--model", "default", "--speculative", "12")
+    assert r.returncode == 2 and r.stderr.strip() == "kog bench: error: --speculative takes 1 to 8 draft tokens (got 12)"

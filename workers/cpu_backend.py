@@ -17,7 +17,7 @@ from .cpu_verify import verify_rows
 
 # Drafting where a verify position costs about half a step (cpu_verify on this backend's machine):
 # draft on matches of 3 tokens or more, start at 4 tokens and double to k while accepted. Replaying
-# bench/agent_tasks.json's greedy outputs offline at that cost, this took the geometric-mean speedup
+# kog_cli/agent_tasks.json's greedy outputs offline at that cost, this took the geometric-mean speedup
 # from 1.07x to 1.20x (fix 0.88x -> 0.96x, type hints 0.91x -> 1.04x, rename 1.26x -> 1.50x, the
 # free story 0.95x -> 1.00x): 1- and 2-token matches are right too rarely to pay for their positions.
 CPU_MIN_NGRAM = 3
