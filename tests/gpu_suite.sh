@@ -3,7 +3,8 @@
 # and again with an MPS server running, then the MPI hardening tests under that machine's Open MPI (the
 # CPU machine runs them under MPICH). From the repo root, the wheels in .whl
 # (../shared/tools/device-wheels.sh gguf==0.19.0 starlette==1.10.0 uvicorn==0.54.0); logs and summary.txt
-# under $OUT. STEPS picks steps (default "nomps mps openmpi"); DEADLINE: seconds for all (default 560).
+# under $OUT. STEPS picks steps (default "nomps mps openmpi"); DEADLINE: seconds for all (default 560); PACK=1:
+# the logs as $OUT/logs.tgz (the device returns few files).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kog_gpu_suite} DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT"
@@ -21,3 +22,8 @@ openmpi) rm -f /dev/shm/vader_segment.* 2>/dev/null; log "mpiexec: $(command -v 
 *)       log "unknown step $step"; exit 2 ;;
 esac; done
 ls /dev/shm | head -20 > "$OUT/dev_shm_after.txt"
+# PACK=1: the logs in one tarball (the device machine returns only a few files of $OUT), summary.txt beside it
+if [ -n "${PACK:-}" ]; then
+  t=$(mktemp /tmp/gpu_suite_logs.XXXXXX) && tar czf "$t" -C "$OUT" . && \
+    find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv "$t" "$OUT/logs.tgz"
+fi
