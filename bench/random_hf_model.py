@@ -17,6 +17,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from hf_reference import random_hf_tensors, write_hf_dir  # noqa: E402
 from kog_dist.shapes import SHAPES  # noqa: E402
 
 
@@ -63,34 +65,10 @@ def main(argv=None) -> int:
     write_tokenizer(a.tokenizer_from, a.out)
     if a.tokenizer_only:
         return 0
-    from safetensors.numpy import save_file
     c = hf_config(a.shape)
-    with open(os.path.join(a.out, "config.json"), "w") as f:
-        json.dump(c, f, indent=1)
-    rng = np.random.default_rng(a.seed)
-    D, H, KV, F, V = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"],
-                      c["vocab_size"])
-    hd = D // H
-
-    def mat(o, i):
-        return (rng.standard_normal((o, i), dtype=np.float32) / np.sqrt(i)).astype(np.float16)
-
-    t = {"model.embed_tokens.weight": rng.standard_normal((V, D), dtype=np.float32).astype(np.float16),
-         "model.norm.weight": np.ones(D, np.float16)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = np.ones(D, np.float16)
-        t[p + "post_attention_layernorm.weight"] = np.ones(D, np.float16)
-        for n, rows, cols in (("self_attn.q_proj", H * hd, D), ("self_attn.k_proj", KV * hd, D),
-                              ("self_attn.v_proj", KV * hd, D), ("self_attn.o_proj", D, H * hd),
-                              ("mlp.gate_proj", F, D), ("mlp.up_proj", F, D), ("mlp.down_proj", D, F)):
-            t[p + n + ".weight"] = mat(rows, cols)
-        if c["model_type"] == "qwen2":
-            for n, rows in (("q_proj", H * hd), ("k_proj", KV * hd), ("v_proj", KV * hd)):
-                t[p + f"self_attn.{n}.bias"] = np.zeros(rows, np.float16)
-    if not c.get("tie_word_embeddings"):
-        t["lm_head.weight"] = mat(V, D)
-    save_file(t, os.path.join(a.out, "model.safetensors"), {"format": "pt"})
+    # the tests' writer of random HF directories (HF names, qwen2's biases, untied heads), cast to fp16
+    t = {k: v.astype(np.float16) for k, v in random_hf_tensors(c, seed=a.seed).items()}
+    write_hf_dir(a.out, c, t)
     print(f"random_hf_model.py: {a.shape} in {a.out} ({sum(x.nbytes for x in t.values()) / 1e6:.0f} MB, fp16)")
     return 0
 

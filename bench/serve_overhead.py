@@ -161,14 +161,12 @@ def start_serve(a):
         m = re.search(r"HTTP on (http://\S+) .*coordinator (tcp://\S+)", line)
         if m:
             url, control = m.group(1), m.group(2)
-    if url is None:
+    line = p.stdout.readline() if url is not None else ""
+    if "ready at" not in line:   # not started, or not ready: its last words on stderr say why
         p.kill()
-        raise SystemExit("kog serve did not start: " + (" | ".join(seen[-3:]) or f"exit {p.wait()}"))
-    line = p.stdout.readline()
-    if "ready at" not in line:
-        p.kill()
-        err = [x for x in p.communicate(timeout=30)[1].splitlines() if x.strip()]
-        raise SystemExit(f"kog serve did not become ready: {line.strip() or (' | '.join(err[-3:]) if err else 'no output')}")
+        seen += [x for x in p.communicate(timeout=30)[1].splitlines() if x.strip()]
+        raise SystemExit(f"kog serve did not {'become ready' if url else 'start'}: "
+                         f"{line.strip() or ' | '.join(seen[-3:]) or 'no output'}")
     return p, url, control
 
 

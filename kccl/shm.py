@@ -98,28 +98,22 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
-# ---- liveness ---------------------------------------------------------------------------------
-
-def unlink_mpich_segments() -> int:
+def unlink_mpich_segments() -> None:
     """Drop the names of MPICH's node segments (/dev/shm/mpich_shm_*) this process has mapped; MPICH keeps
     using its mappings. Their names outlive a rank that is killed or ends without MPI_Finalize. Call it only
     once every rank of the node is past MPI_Init (after any collective): a rank still attaching needs the
     name. Open MPI's segment is left alone (its finalize unlinks the name and complains when it is gone).
-    Returns how many names this call removed."""
+    Another rank of the node may have dropped a name first."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[5] for line in f if len(line.split()) == 6 and "/dev/shm/mpich_shm_" in line}
+            fields = [line.split() for line in f]
     except OSError:
-        return 0
-    gone = 0
-    for path in paths:
-        try:
-            os.unlink(path)
-            gone += 1
-        except OSError:
-            pass   # another rank of the node removed it first
-    return gone
+        return
+    for path in {x[5] for x in fields if len(x) == 6 and x[5].startswith("/dev/shm/mpich_shm_")}:
+        unlink_quietly(path)
 
+
+# ---- liveness ---------------------------------------------------------------------------------
 
 def process_starttime(pid: int) -> int:
     """The process start time (clock ticks since boot) from /proc, 0 where /proc is unavailable."""

@@ -326,22 +326,18 @@ def _speculative(args) -> int:
         return 2
     from .bench_spec import run, table
     report = run(args.model, args.backend, args.speculative, args.gen, args.reps, 3 * args.reps, _say)
-    report.update(commit=_commit(), args=vars(args))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, default=str, indent=1)
-    print(json.dumps(report, default=str) if args.json else table(report))
+    _emit(dict(report, commit=_commit(), args=vars(args)), args, table)
     return 0 if all(r["identical"] for r in report["rows"]) else 1
 
 
-def _emit(report: dict, args) -> int:
+def _emit(report: dict, args, render=None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, default=str, indent=1)
     if args.json:
         print(json.dumps(report, default=str))
     else:
-        print(table(report))
+        print((render or table)(report))
     return 0
 
 

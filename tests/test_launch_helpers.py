@@ -14,8 +14,8 @@ NEW_TOKENS = 8
 def env(**extra):
     """The environment of a launched job: without a surrounding job's identity (Slurm, PMI, Open MPI's rank
     variables, KOG_*), but with the machine's Open MPI settings (OMPI_MCA_*, OMPI_ALLOW_RUN_AS_ROOT*) unless
-    we run inside an Open MPI job: an image without ssh sets e.g. OMPI_MCA_plm_rsh_agent, without which
-    Open MPI 4.1's mpirun refuses to start (the GPU machine, 2026-12-02)."""
+    we run inside an Open MPI job: the GPU machine's image has no ssh and sets OMPI_MCA_plm=isolated, without
+    which its Open MPI 4.1.6 mpirun looks for ssh and refuses to start (2026-12-02)."""
     in_job = "OMPI_COMM_WORLD_RANK" in os.environ
     e = {k: v for k, v in os.environ.items()
          if not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPIR_CVAR", "KOG_"))

@@ -188,7 +188,8 @@ def _say_once(world, msg, rank: int, rc: int, exc=None):
 
 def _unlink_mpi_segments(world, local_rank: int) -> None:
     """MPICH's node segment outlives a SIGKILLed rank: once every rank has it mapped (the barrier), drop its
-    name (kccl.shm.unlink_mpich_segments), so nothing is left in /dev/shm whatever way the job ends."""
+    name (kccl.shm.unlink_mpich_segments), so nothing is left in /dev/shm whatever way the job ends, also
+    when a rank dies while the model loads, before kccl's Communicator.create drops it too."""
     world.Barrier()
     if local_rank == 0:
         unlink_mpich_segments()
