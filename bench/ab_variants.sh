@@ -9,10 +9,11 @@
 cd "$(dirname "$0")/.." || exit 1
 . bench/common.sh
 SHAPE=${SHAPE:-2b}; ROUNDS=${ROUNDS:-2}; NP=${NP:-1}; CTX=${CTX:-0}   # CTX=4096: the long-context row too
+DT=(${DTYPE:+--dtype "$DTYPE"})   # DTYPE=bf16,q4_1: those rows in each run
 if [ "$NP" -gt 1 ]; then
   base=($PY -m kog_cli bench --shape "$SHAPE" --np "$NP" --baselines none --pp 64 --reps ${REPS:-3})
 else
-  base=($PY -m kog_cli bench --shape "$SHAPE" --baselines none --ctx "$CTX" --pp 64 --reps ${REPS:-5})
+  base=($PY -m kog_cli bench --shape "$SHAPE" "${DT[@]}" --baselines none --ctx "$CTX" --pp 64 --reps ${REPS:-5})
 fi
 header
 rc=0

@@ -78,7 +78,8 @@ def test_smem_bytes_mirrors_the_kernel(tmp_path):
     tiny = dict(TINY_DEFAULTS, model_type="laneformer_tp")
     cases = [(LaneformerConfig.from_dict(tiny), "F32", 128), (shape_config("2b"), "BF16", 128),
              (shape_config("2b"), "BF16", 132), (LaneformerConfig.from_dict(dict(tiny, num_lanes=1)), "F32", 132),
-             (LaneformerConfig.from_dict({"model_type": "laneformer_tp"}), "BF16", 132)]
+             (LaneformerConfig.from_dict({"model_type": "laneformer_tp"}), "BF16", 132),
+             (shape_config("smollm2-135m"), "Q4_1", 132)]   # one lane, quantized, with a weight copy (CFG_PFS)
     for cfg, dt, nb in cases:
         exe = tmp_path / "smem"
         r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", str(prog), "-o", str(exe)]
@@ -178,6 +179,21 @@ def test_profile_of_a_build_without_marks_is_refused():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_one_lane_weight_copy_follows_the_bytes_a_block_streams():
+    """CFG_PFS (a block's first units copied into shared memory before each wait) where a block's share of a
+    layer is at most 128 KB in the layer matrices' own storage: SmolLM2-135M in bf16 (52 KB) and in Q4_1
+    (18 KB), Qwen2.5-0.5B in Q8_0 / Q4_0 (117 / 62 KB) but not in bf16 (221 KB), Llama-3.2-1B in neither
+    (900 KB bf16, 253 KB Q4_0); never with several lanes."""
+    from kog_dist.shapes import shape_config
+    from workers.cuda.build import one_lane_units
+    pfs = {(s, q): one_lane_units(shape_config(s), q, "BF16", 132).get("CFG_PFS", 0)
+           for s in ("smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b", "2b") for q in (None, "Q4_1", "Q4_0", "Q8_0")}
+    assert pfs[("smollm2-135m", None)] == pfs[("smollm2-135m", "Q4_1")] == pfs[("smollm2-135m", "Q8_0")] == 65536
+    assert pfs[("qwen2.5-0.5b", "Q4_0")] == 65536 and pfs[("qwen2.5-0.5b", None)] == 0
+    assert pfs[("qwen2.5-0.5b", "Q8_0")] == 65536
+    assert all(pfs[("llama3.2-1b", q)] == 0 and pfs[("2b", q)] == 0 for q in (None, "Q4_1", "Q4_0", "Q8_0"))
+
+
 def test_quantized_one_lane_build_compiles(tmp_path):
     """The default model's build (SmolLM2's one-lane shape, layer matrices in Q4_1, biases on as for Qwen2)
     and the quantizer / dequantizer kernels compile warning-free with build.defines' options."""

@@ -224,6 +224,18 @@ def test_quantized_greedy_matches_numpy_engine(models, mname, q):
 
 
 @pytest.mark.parametrize("q", QUANT)
+def test_quantized_shared_memory_copy_in_part_matches_numpy_engine(models, q):
+    """One lane, quantized layer matrices: the first units of a block's share copied into shared memory
+    (quants, then the scales from their 16-byte piece) and the rest read from global memory, in one phase:
+    a 1 KB copy holds one unit or none, so both reads and the border between them run; the numpy engine's
+    ids for 128 tokens."""
+    name = f"one_lane_{q}"
+    ref, margins = _ref_greedy(models[name], PROMPT, GEN)
+    got = _run(models[name], f"{q}:F32", extra_defines={"CFG_PFS": 1024})
+    _same(name, got, ref, margins)
+
+
+@pytest.mark.parametrize("q", QUANT)
 def test_device_quantization_is_gguf_bit_for_bit(q):
     """f32_to_q (the load-time quantizer of --dtype q8_0|q4_0|q4_1) writes gguf.quants.quantize's blocks,
     split into quants and scales; q_to_f32 gives back gguf's dequantization exactly."""

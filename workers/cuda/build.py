@@ -58,15 +58,19 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     """One-lane models (Llama-family checkpoints, one rank): every phase waits for all blocks of the one
     before, so a phase must keep every warp busy: one-row units in W2 (CFG_NR_W2; 2 for several lanes) and
     one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
-    into shared memory before each wait (CFG_PFS; bf16 / fp16 / fp32 only; not for larger layers, which
-    stream: there the copy was slower). The SmolLM2-135M and Llama-3.2-1B shapes' runs of each choice:
-    BENCHMARKS.md "Results of 2026-12-02", docs/monokernel.md "One lane"."""
+    into shared memory before each wait (CFG_PFS, where a block's share of a layer's bytes, quantized or
+    not, is at most 128 KB; not for larger layers, which stream: there the copy was slower). The
+    SmolLM2-135M and Llama-3.2-1B shapes' runs of each choice: BENCHMARKS.md "Results of 2026-12-02",
+    docs/monokernel.md "One lane"."""
+    from .weights import QBITS, QSCALE_BYTES
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
-    layer_bytes = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
-                   + 3 * cfg.hidden_size * cfg.intermediate_size) * (4 if base == "F32" else 2)
-    if not qtype and layer_bytes / nblocks <= 128 * 1024:
+    elems = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+             + 3 * cfg.hidden_size * cfg.intermediate_size)
+    layer_bytes = (elems * QBITS[qtype] // 8 + elems // 32 * QSCALE_BYTES[qtype] if qtype
+                   else elems * (4 if base == "F32" else 2))
+    if layer_bytes / nblocks <= 128 * 1024:
         out["CFG_PFS"] = 65536
     return out
 

@@ -98,7 +98,7 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
     int wa, wb;
     brange(U_WO, wa, wb);
     const long long Eo = (long long)i * LAYER_SZ + OFF_WO;
-    const int nb = wbuf_fill(sm, p.w + Eo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
+    const int nb = wbuf_fill_w(p, sm, Eo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
     prefetch_w(p, Eo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO, PF_ATT);
   }
   if (ua >= ub) return;

@@ -86,7 +86,7 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, long lo
     const int l = u / UPL, r0 = (u % UPL) * NR;
     float acc[NR];
     if (u - ua < nbuf)
-      warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE, NR, sm + (l - l0) * K, acc);
+      wdot_buf<NR, K, UE>(sm, E + (long long)ua * UE, nbuf, u - ua, NR, sm + (l - l0) * K, acc);
     else
       wdot<NR, K, UB>(p, E + ((long long)l * D + r0) * K, NR, sm + (l - l0) * K, acc);
     if (lane < NR) {

@@ -153,7 +153,8 @@ __device__ __forceinline__ u32 ld_scale(const void* sb, long long blk) {
   if (QSB == 4) return __ldg(reinterpret_cast<const u32*>(sb) + blk);
   return (u32)__ldg(reinterpret_cast<const u16*>(sb) + blk);
 }
-template <int NR, int K, int UBM = CFG_UBMAX>
+// (SMEM: qb and sb in shared memory, the block's copy of wbuf_fill_w)
+template <int NR, int K, int UBM = CFG_UBMAX, bool SMEM = false>
 __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long e,
                                           int nvalid, const float* xs, float* out) {
   constexpr int NCHK = K / QCW;
@@ -176,8 +177,14 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
         const int c = (b0 + u) * 32 + lane;
         if (b0 + u < CPL && c < NCHK && r < nvalid) {
           const long long er = e + (long long)r * K;
-          wv[r][u] = ldw(qb + er * QBITS / 8 + (long long)c * 16);
-          sc[r][u] = ld_scale(sb, er / 32 + c / CPB);
+          if (SMEM) {
+            const long long blk = er / 32 + c / CPB;
+            wv[r][u] = *reinterpret_cast<const uint4*>(qb + er * QBITS / 8 + (long long)c * 16);
+            sc[r][u] = QSB == 4 ? reinterpret_cast<const u32*>(sb)[blk] : (u32)reinterpret_cast<const u16*>(sb)[blk];
+          } else {
+            wv[r][u] = ldw(qb + er * QBITS / 8 + (long long)c * 16);
+            sc[r][u] = ld_scale(sb, er / 32 + c / CPB);
+          }
         } else {
           wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
           sc[r][u] = 0u;
@@ -214,6 +221,46 @@ __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long lo
   }
 }
 
+// The block's shared-memory copy of its first units of a layer matrix region, from element e0 (CFG_PFS; the
+// storage type: wbuf_fill). Quantized matrices: the nb units' quants (ue * QBITS / 8 bytes each, 16-byte
+// multiples), then their scales from the 16-byte piece that holds the first one (cp.async copies aligned
+// 16-byte pieces; the scale array has 16 bytes of tail for the last piece). Returns how many there will be.
+__device__ __forceinline__ int wbuf_fill_w(const Params& p, float* sm, long long e0, int nunits, int ue, bool issue) {
+  if constexpr (QW == 0) {
+    return wbuf_fill(sm, p.w + e0, nunits, ue, issue);
+  } else {
+    if (PFS == 0 || nunits <= 0) return 0;
+    const int uq = ue * QBITS / 8, us = ue / 32 * QSB;
+    const int nb = min(nunits, (PFS - 32) / (uq + us));
+    if (issue) {
+      char* dst = reinterpret_cast<char*>(sm + WBUF_OFF);
+      const char* q = reinterpret_cast<const char*>(p.w) + e0 * QBITS / 8;
+      const int qbytes = nb * uq;   // both pieces under CFG_PFS bytes: int offsets
+      for (int off = threadIdx.x * 16; off < qbytes; off += NT * 16) cp_async16(dst + off, q + off);
+      const long long s0 = e0 / 32 * QSB;
+      const int sbytes = ((int)(s0 & 15) + nb * us + 15) & ~15;
+      const char* sc = reinterpret_cast<const char*>(p.ws) + (s0 & ~15ll);
+      for (int off = threadIdx.x * 16; off < sbytes; off += NT * 16) cp_async16(dst + qbytes + off, sc + off);
+      cp_async_commit();
+    }
+    return nb;
+  }
+}
+// NR rows of unit k (ue elements) of that copy (nbuf units from element e0), as wdot
+template <int NR, int K, int UE>
+__device__ __forceinline__ void wdot_buf(const float* sm, long long e0, int nbuf, int k, int nvalid,
+                                         const float* xs, float* out) {
+  // (quantized without a copy, CFG_PFS 0: never called, nbuf is 0; the plain form keeps the kernels the GPU
+  // measured, bench/ptx_identity.py)
+  if constexpr (QW == 0 || PFS == 0) {
+    warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)k * UE, nvalid, xs, out);
+  } else {
+    const unsigned char* qb = reinterpret_cast<const unsigned char*>(sm + WBUF_OFF);
+    const unsigned char* sb = qb + (long long)nbuf * (UE * QBITS / 8) + ((e0 / 32 * QSB) & 15);
+    warp_dotq<NR, K, 1, true>(qb, sb, (long long)k * UE, nvalid, xs, out);
+  }
+}
+
 // The prologue of the layer phases QKV, WO, W13 and W2: the entry mark, the block's units [ua, ub) of the
 // phase (U units of UE elements), the element E where layer i's region starts (region offset OFF; p.w and
 // p.ws), the first units' weights into shared memory (nbuf of them, wbuf_fill; `issue` false: an earlier phase
@@ -232,7 +279,7 @@ __device__ __forceinline__ PhaseUnits phase_begin(const Params& p, float* sm, in
   tmark(p, n, ph, 0);
   brange(U, ua, ub);
   const long long E = (long long)i * LAYER_SZ + OFF;
-  const int nbuf = wbuf_fill(sm, p.w + E + (long long)ua * UE, ub - ua, UE, issue);
+  const int nbuf = wbuf_fill_w(p, sm, E + (long long)ua * UE, ub - ua, UE, issue);
   if (prefetch) prefetch_w(p, E + (long long)(ua + nbuf) * UE, (long long)(ub - ua - nbuf) * UE, PF);
   return PhaseUnits{E, ua, ub, nbuf};
 }

@@ -95,7 +95,6 @@ constexpr int WBUF_OFF = ((SM_MAIN + 3) / 4) * 4;
 constexpr int GS_OFF = WBUF_OFF + PFS / 4;                       // [2][D] norm weights (NORM2)
 constexpr int SM_FLOATS = GS_OFF + (NORM2 ? 2 * D : 0);         // + the weight buffer (16-byte aligned)
 static_assert(SM_FLOATS * 4 <= 225 * 1024, "shared memory: lower CFG_PFS");
-static_assert(QW == 0 || PFS == 0, "quantized layer matrices: no shared-memory copies of weights (CFG_PFS 0)");
 // units' sizes in elements of wt
 constexpr int UE_QKV = 2 * D, UE_WO = NR_WO * HDL, UE_W13 = 2 * D, UE_W2 = NR_W2 * FL, UE_LM = 2 * D;
 // the first units of the block's range copied into shared memory; returns how many there will be

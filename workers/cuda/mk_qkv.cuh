@@ -53,7 +53,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     float2 cs = make_float2(1.f, 0.f);
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
-    if (u - ua < nbuf) warp_dot<2, D, true>((const wt*)(sm + WBUF_OFF) + (long long)(u - ua) * UE_QKV, 2, sm + (l - l0) * D, acc);
+    if (u - ua < nbuf) wdot_buf<2, D, UE_QKV>(sm, E + (long long)ua * UE_QKV, nbuf, u - ua, 2, sm + (l - l0) * D, acc);
     else wdot<2, D, CFG_UB_QKV>(p, E + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
       float x0 = acc[0], x1 = acc[1];

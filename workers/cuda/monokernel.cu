@@ -82,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
       // next token's first weights into L2, then wait for the sampler
       int ua, ub;
       brange(U_QKV, ua, ub);
-      const int nb = wbuf_fill(sm, p.w + (long long)ua * UE_QKV, ub - ua, UE_QKV, true);
+      const int nb = wbuf_fill_w(p, sm, (long long)ua * UE_QKV, ub - ua, UE_QKV, true);
       prefetch_w(p, (long long)(ua + nb) * UE_QKV, (long long)(ub - ua - nb) * UE_QKV, PF);
       if (NORM2 && ua < ub)   // layer 0's norm weights do not depend on the token
         norm_g_load(sm, p.norms, ua / UPL_QKV, (ub - 1) / UPL_QKV - ua / UPL_QKV + 1);

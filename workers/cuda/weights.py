@@ -86,7 +86,8 @@ class DeviceWeights:
         if self.qtype:
             n = N * self.layer_elems
             self.w = cp.empty(n * QBITS[self.qtype] // 8, dtype=cp.uint8)
-            self.ws = cp.empty(n // 32 * QSCALE_BYTES[self.qtype] // 2, dtype=cp.uint16)
+            # + 16 bytes: a block's shared-memory copy of its scales (wbuf_fill_w) reads whole 16-byte pieces
+            self.ws = cp.zeros(n // 32 * QSCALE_BYTES[self.qtype] // 2 + 8, dtype=cp.uint16)
         else:
             self.w = cp.empty(N * self.layer_elems, dtype=st)
             self.ws = None
