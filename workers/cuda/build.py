@@ -58,18 +58,19 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     """One-lane models (Llama-family checkpoints, one rank): every phase waits for all blocks of the one
     before, so a phase must keep every warp busy: one-row units in W2 (CFG_NR_W2; 2 for several lanes) and
     one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
-    into shared memory before each wait (CFG_PFS, where a block's share of a layer's bytes, quantized or
-    not, is at most 128 KB; not for larger layers, which stream: there the copy was slower). The
-    SmolLM2-135M and Llama-3.2-1B shapes' runs of each choice: BENCHMARKS.md "Results of 2026-12-02",
-    docs/monokernel.md "One lane"."""
-    from .weights import QBITS, QSCALE_BYTES
+    into shared memory before each wait (CFG_PFS, where a block's share of a layer is at most 128 KB; not for
+    larger layers, which stream: there the copy was slower). Quantized layer matrices: no copy (SmolLM2 in
+    Q4_1 with it 1470 against 1641 tokens/s without: its build spills, bench/kernel_resources.py), and 384
+    threads a block (168 registers a thread instead of 128: the dequantizing row loops spill less). The
+    runs of each choice: BENCHMARKS.md "Results of 2026-12-02" and "Quantized one-lane builds"."""
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
-    elems = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
-             + 3 * cfg.hidden_size * cfg.intermediate_size)
-    layer_bytes = (elems * QBITS[qtype] // 8 + elems // 32 * QSCALE_BYTES[qtype] if qtype
-                   else elems * (4 if base == "F32" else 2))
+    if qtype:
+        out["CFG_NT"] = 384
+        return out
+    layer_bytes = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+                   + 3 * cfg.hidden_size * cfg.intermediate_size) * (4 if base == "F32" else 2)
     if layer_bytes / nblocks <= 128 * 1024:
         out["CFG_PFS"] = 65536
     return out
@@ -152,7 +153,7 @@ def smem_bytes(cfg, dtype: str, nblocks: int, nthreads: int = 512, norm2: bool =
     qtype, base = split_dtype(dtype)
     units = one_lane_units(cfg, qtype, base, nblocks)
     nr_wo, nr_w2, pfs = units.get("CFG_NR_WO", 4), units.get("CFG_NR_W2", 2), units.get("CFG_PFS", 0)
-    D, L, HD, nw = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, nthreads // 32
+    D, L, HD, nw = cfg.hidden_size, cfg.num_lanes, cfg.head_dim, units.get("CFG_NT", nthreads) // 32
     hdl, fl = cfg.heads_per_lane * HD, cfg.ffn_per_lane
     rq = hdl + 2 * (cfg.kv_heads // L) * HD
     G = cfg.num_attention_heads // cfg.kv_heads
