@@ -60,18 +60,21 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
     into shared memory before each wait (CFG_PFS, where a block's share of a layer is at most 128 KB; not for
     larger layers, which stream: there the copy was slower). Quantized layer matrices: no copy (SmolLM2 in
-    Q4_1 with it 1470 against 1641 tokens/s without: its build spills, bench/kernel_resources.py), and 384
-    threads a block (168 registers a thread instead of 128: the dequantizing row loops spill less). The
-    runs of each choice: BENCHMARKS.md "Results of 2026-12-02" and "Quantized one-lane builds"."""
+    Q4_1 with it 1470 against 1641 tokens/s without: its build spills, bench/kernel_resources.py); where a
+    block's share of a layer is at most 128 KB of quants and scales, 384 threads a block (168 registers a
+    thread instead of 128, fewer spills: SmolLM2 Q4_1 +3.0%, Qwen2.5-0.5B Q4_0 +4.8%; Llama-3.2-1B Q4_0,
+    whose blocks stream 253 KB, -2.4%: kept at 512). The runs of each choice: BENCHMARKS.md "Results of
+    2026-12-02" and "Quantized one-lane builds"."""
+    from .weights import QBITS, QSCALE_BYTES
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
+    elems = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+             + 3 * cfg.hidden_size * cfg.intermediate_size)
     if qtype:
-        out["CFG_NT"] = 384
-        return out
-    layer_bytes = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
-                   + 3 * cfg.hidden_size * cfg.intermediate_size) * (4 if base == "F32" else 2)
-    if layer_bytes / nblocks <= 128 * 1024:
+        if (elems * QBITS[qtype] // 8 + elems // 32 * QSCALE_BYTES[qtype]) / nblocks <= 128 * 1024:
+            out["CFG_NT"] = 384
+    elif elems * (4 if base == "F32" else 2) / nblocks <= 128 * 1024:
         out["CFG_PFS"] = 65536
     return out
 
