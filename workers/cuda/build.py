@@ -65,17 +65,12 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     thread instead of 128, fewer spills: SmolLM2 Q4_1 +3.0%, Qwen2.5-0.5B Q4_0 +4.8%; Llama-3.2-1B Q4_0,
     whose blocks stream 253 KB, -2.4%: kept at 512). The runs of each choice: BENCHMARKS.md "Results of
     2026-12-02" and "Quantized one-lane builds"."""
-    from .weights import QBITS, QSCALE_BYTES
+    from .weights import layer_elems, matrix_bytes
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
-    elems = (cfg.hidden_size * (2 * cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
-             + 3 * cfg.hidden_size * cfg.intermediate_size)
-    if qtype:
-        if (elems * QBITS[qtype] // 8 + elems // 32 * QSCALE_BYTES[qtype]) / nblocks <= 128 * 1024:
-            out["CFG_NT"] = 384
-    elif elems * (4 if base == "F32" else 2) / nblocks <= 128 * 1024:
-        out["CFG_PFS"] = 65536
+    if matrix_bytes(layer_elems(cfg), qtype or base) / nblocks <= 128 * 1024:
+        out["CFG_NT" if qtype else "CFG_PFS"] = 384 if qtype else 65536
     return out
 
 

@@ -149,7 +149,9 @@ __device__ __forceinline__ void warp_dot(const wt* __restrict__ w, int nvalid, c
 }
 
 // the quantized form of warp_dot: NR rows of K starting at element e (quants at qb, scales at sb)
+template <bool SMEM = false>   // SMEM: sb in shared memory
 __device__ __forceinline__ u32 ld_scale(const void* sb, long long blk) {
+  if (SMEM) return QSB == 4 ? reinterpret_cast<const u32*>(sb)[blk] : (u32)reinterpret_cast<const u16*>(sb)[blk];
   if (QSB == 4) return __ldg(reinterpret_cast<const u32*>(sb) + blk);
   return (u32)__ldg(reinterpret_cast<const u16*>(sb) + blk);
 }
@@ -177,14 +179,9 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
         const int c = (b0 + u) * 32 + lane;
         if (b0 + u < CPL && c < NCHK && r < nvalid) {
           const long long er = e + (long long)r * K;
-          if (SMEM) {
-            const long long blk = er / 32 + c / CPB;
-            wv[r][u] = *reinterpret_cast<const uint4*>(qb + er * QBITS / 8 + (long long)c * 16);
-            sc[r][u] = QSB == 4 ? reinterpret_cast<const u32*>(sb)[blk] : (u32)reinterpret_cast<const u16*>(sb)[blk];
-          } else {
-            wv[r][u] = ldw(qb + er * QBITS / 8 + (long long)c * 16);
-            sc[r][u] = ld_scale(sb, er / 32 + c / CPB);
-          }
+          wv[r][u] = SMEM ? *reinterpret_cast<const uint4*>(qb + er * QBITS / 8 + (long long)c * 16)
+                          : ldw(qb + er * QBITS / 8 + (long long)c * 16);
+          sc[r][u] = ld_scale<SMEM>(sb, er / 32 + c / CPB);
         } else {
           wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
           sc[r][u] = 0u;
