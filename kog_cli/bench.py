@@ -325,7 +325,10 @@ def _speculative(args) -> int:
               "--model (and no --np)", file=sys.stderr)
         return 2
     from .bench_spec import run, table
-    report = run(args.model, args.backend, args.speculative, args.gen, args.reps, 3 * args.reps, _say)
+    if args.dtype and "," in args.dtype:
+        print("kog bench: error: --speculative takes one --dtype", file=sys.stderr)
+        return 2
+    report = run(args.model, args.backend, args.speculative, args.gen, args.reps, 3 * args.reps, _say, dtype=args.dtype)
     _emit(dict(report, commit=_commit(), args=vars(args)), args, table)
     return 0 if all(r["identical"] for r in report["rows"]) else 1
 

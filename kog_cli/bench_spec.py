@@ -88,11 +88,13 @@ def task_row(backend, cfg, tok, task: dict, k: int, new_tokens: int, rounds: int
 
 
 def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: int, cost_reps: int,
-        say=lambda m: print(m, file=sys.stderr, flush=True), tasks: list[dict] | None = None) -> dict:
+        say=lambda m: print(m, file=sys.stderr, flush=True), tasks: list[dict] | None = None,
+        dtype: str | None = None) -> dict:
+    """dtype: the storage (bf16, q4_1, ...; None: the model's own)."""
     src = open_model(resolve_model(model))
     tok = load_tokenizer(src)
     kind = resolve(backend_kind)
-    backend, cfg = make_backend(kind, src, num_slots=2)
+    backend, cfg = make_backend(kind, src, num_slots=2, dtype=dtype)
     tasks = tasks if tasks is not None else load_tasks()
     rows = []
     try:
@@ -105,13 +107,13 @@ def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: i
         cost = verify_cost(backend, first, cost_reps) if cost_reps > 0 else None
     finally:
         backend.close()
-    return {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "k": k,
+    return {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "dtype": dtype, "k": k,
             "max_new_tokens": new_tokens, "rounds": rounds, "rows": rows, "verify_cost": cost,
             "speculating": any(r["spec_steps"] for r in rows)}
 
 
 def table(report: dict) -> str:
-    out = [f"model: {report['model']}  backend: {report['backend']}  k: {report['k']}  "
+    out = [f"model: {report['model']}  storage: {report.get('dtype') or 'its own'}  backend: {report['backend']}  k: {report['k']}  "
            f"{report['max_new_tokens']} tokens a task, medians of {report['rounds']}",
            "| task | kind | new tokens | plain tok/s | speculative tok/s | speedup | CPU-time speedup | "
            "tokens/pass | accepted/drafted | identical |",

@@ -254,3 +254,48 @@ def test_default_storage_of_a_source(tmp_path):
     src = open_source(gguf)
     assert default_dtype(src) == "Q4_1" and src.quant_type("model.tok_embeddings.weight") == "Q8_0"
     src.close()
+
+
+def test_speculative_builds_fit_and_the_state_words_agree(tmp_path):
+    """build.spec_positions (CFG_SPEC of the speculative build) is the most positions whose staging fits the
+    kernel's shared memory: the kernel's own static_assert passes at that count and fails at one more (where
+    one more is allowed); several lanes get none. The pass-state words the host reads (backend.py) are
+    mk_spec_lm.cuh's."""
+    import re
+    from kog_dist.shapes import shape_config
+    from workers.cuda import backend
+    from workers.cuda.build import SPEC_MAX, defines, spec_positions
+    prog = tmp_path / "spec.cu"
+    prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n'
+                    'int main() { printf("%d %d\\n", SPEC_FLOATS * 4, SP); }\n')
+
+    def compiles(cfg, dt, sp):
+        exe = tmp_path / "spec"
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", str(prog), "-o", str(exe)]
+                           + [f"-D{k}={v}" for k, v in defines(cfg, dt, 132, extra={"CFG_SPEC": sp, "CFG_PFS": 0}).items()],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            assert "fewer speculative positions" in r.stderr, r.stderr[-2000:]
+            return False
+        return True
+    for name, dt in (("smollm2-135m", "BF16"), ("llama3.2-1b", "BF16"), ("qwen2.5-0.5b", "Q4_0")):
+        cfg = shape_config(name)
+        sp = spec_positions(cfg, dt, 132)
+        assert 2 <= sp <= SPEC_MAX and compiles(cfg, dt, sp), (name, sp)
+        if sp < SPEC_MAX:
+            assert not compiles(cfg, dt, sp + 1), (name, sp)
+    assert spec_positions(shape_config("llama3.2-1b"), "BF16", 132) < SPEC_MAX   # F 8192: 6 planes at most
+    assert spec_positions(shape_config("2b"), "BF16", 132) == 0
+    src = open(os.path.join(CUDA_DIR, "mk_spec_lm.cuh")).read()
+    words = {m.group(1): int(m.group(2)) for m in re.finditer(r"\bSW_(\w+) = (\d+)", src)}
+    for name in ("K", "PROBE", "STEPS", "DRAFTED", "ACCEPTED"):
+        assert getattr(backend, f"SW_{name}") == words[name], name
+    assert backend.SPEC_TICKETS > max(words.values())
+    kv = open(os.path.join(CUDA_DIR, "mk_spec.cuh")).read()
+    assert f"SPEC_TICKETS = {backend.SPEC_TICKETS};" in kv and f"SP * KV <= {backend.SPEC_MAX_TICKETS}" in kv
+    import inspect
+    from kog_dist.speculative import MAX_NGRAM, AdaptiveDraft
+    dflt = {k: v.default for k, v in inspect.signature(AdaptiveDraft).parameters.items()}
+    assert backend.SPEC_PROBE == dflt["probe_every"]         # the device's draft sizes: the cpu backend's rule
+    assert (f"SPEC_PROBE = {dflt['probe_every']}, SPEC_MAX_PROBE = {dflt['max_probe_every']}, "
+            f"SPEC_NGRAM = {MAX_NGRAM}") in src

@@ -23,7 +23,13 @@ from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_comman
 from .params import ParamWords
 
 REASONS = {1: "eos", 2: "stop", 3: "length", 4: "cancel"}
-N_PARAMS = 72   # words of the host copy of Params (mk_layout.cuh's struct: 60, 65 with several ranks)
+# words of the speculative pass state (mk_spec_lm.cuh SW_*), then the attention's tickets (mk_spec.cuh)
+SW_K, SW_PROBE, SW_STEPS, SW_DRAFTED, SW_ACCEPTED = 19, 21, 23, 24, 25
+SPEC_TICKETS, SPEC_MAX_TICKETS = 64, 1024
+SPEC_WORDS = SPEC_TICKETS + SPEC_MAX_TICKETS
+SPEC_PROBE = 8        # kog_dist.speculative.AdaptiveDraft's probe_every
+SPEC_MIN_NGRAM = 1    # a verify position costs little here: every match drafts (the cpu backend: 3)
+N_PARAMS = 72   # words of the host copy of Params (mk_layout.cuh's struct: 66, 71 with several ranks)
 MAX_STOP, MAX_EOS = 16, 8
 # CuPy events of launches that failed with a CUDA error, or with several ranks (a peer lost, a kccl
 # error; the context may have faulted): kept to the process's end, since destroying them in a faulted
@@ -133,6 +139,8 @@ class CudaBackend(Backend):
                                  "communicator of several ranks")
         self.k = build(self.cfg, dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
                        nranks=self.nranks, marks=timing_marks)
+        self._spec_build = (dtype, prefetch, extra_defines, progress is not False)
+        self.ks = self.sbuf = None      # the speculative build and its buffers, made at the first such request
         if weights is None:
             try:
                 weights = load_checkpoint(src, self.cfg, dtype, progress, view=view, kernels=self.k)
@@ -142,6 +150,8 @@ class CudaBackend(Backend):
         cfg = self.cfg
         self.dw = weights
         self.nblocks = int(self.k.defines["CFG_NB"])
+        from .build import spec_positions
+        self.spec_max = spec_positions(self.cfg, dtype, self.nblocks, self.nranks)
         self.nthreads = int(self.k.defines.get("CFG_NT", 512))
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")
@@ -219,15 +229,18 @@ class CudaBackend(Backend):
 
     # -- one request ---------------------------------------------------------------------------------
     def run(self, cmd: RunCommand, on_token=None, *, ignore_eos: bool = False, dbg_logits=None,
-            timing_token: int | None = None) -> RunResult:
+            timing_token: int | None = None, spec_fixed: int | None = None) -> RunResult:
         """Backend.run; ignore_eos (benchmarks), dbg_logits (a [max_new, V] float32 device array that
         receives every step's logits; with several ranks only the rows of the rank's LM head share,
         multirank.lm_rows) and timing_token (record per-phase clock marks of that decode step
-        into self.last_timing, [5N+2, blocks, 5] ns: mk_layout.cuh tmark) are for tests and benchmarks."""
+        into self.last_timing, [5N+2, blocks, 5] ns: mk_layout.cuh tmark) and spec_fixed (with
+        cmd.speculative: every verify pass drafts that many tokens, the context's last, whatever they
+        are: the cost of a pass of spec_fixed + 1 positions) are for tests and benchmarks."""
         if timing_token is not None and str(self.k.defines.get("CFG_MARKS", 0)) != "1":
             raise ValueError("this monokernel was built without timing marks: create the backend with "
                              "timing_marks=True (kog bench --profile) for a per-phase profile")
         self._timing_token = timing_token
+        self._spec_fixed = spec_fixed       # (speculative) every pass drafts this many tokens: its cost
         cp, cfg = self.cp, self.cfg
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
         clock = Clock()
@@ -253,8 +266,10 @@ class CudaBackend(Backend):
             return res
         eos = () if ignore_eos else tuple(cfg.eos_token_ids)
         stop = tuple(int(s) for s in cmd.stop_ids)
+        # speculative: verify passes of the last token and up to spec_k drafts (one lane, one rank)
+        spec_k = min(cmd.speculative, self.spec_max - 1) if self.spec_max > 1 else 0
         toks, reason, t_first = self._generate(kc, vc, feed[-1], P - 1, max_new, cmd.sampling, eos, stop, on_token,
-                                               clock, res, dbg_logits)
+                                               clock, res, dbg_logits, max(0, spec_k), held)
         res.token_ids = toks
         res.stop_reason = reason
         held = held + toks[:-1]
@@ -265,11 +280,46 @@ class CudaBackend(Backend):
     hang_s = 20.0
     cooperative = None
 
+    def _spec(self):
+        """The speculative build (verify passes of self.spec_max positions, mk_spec.cuh) and its buffers:
+        the one-token buffers with a row a position, the pass state and the context's ids."""
+        if self.ks is None:
+            from .build import build
+            dtype, prefetch, extra, progress = self._spec_build
+            marks = str(self.k.defines.get("CFG_MARKS", 0)) == "1"
+            self.ks = build(self.cfg, dtype, self.nblocks, prefetch, progress=progress, extra=extra, spec=self.spec_max,
+                            marks=marks)
+            cp, rc, P = self.cp, self.rcfg, self.spec_max
+            D, N, V, H, KV, hd = (rc.hidden_size, rc.num_hidden_layers, rc.vocab_size, rc.num_attention_heads,
+                                  rc.kv_heads, rc.head_dim)
+            f32 = cp.float32
+            self.sbuf = {
+                "q": cp.empty(P * H * hd, f32),
+                "attp": cp.empty(P * KV * self.ks.nch * (H // KV) * (hd + 2), f32),
+                "hid": cp.empty(P * rc.intermediate_size, f32),
+                "part": self.buf["part"],
+                "hres": cp.empty(P * (2 * N + 1) * D, f32),
+                "logits": cp.empty(V, f32),
+                "cand_v": cp.empty(P * self.nblocks, f32),
+                "cand_i": cp.empty(P * self.nblocks, cp.int32),
+                "spec_logits": cp.empty(P * V, f32),
+                "spec": cp.zeros(SPEC_WORDS, cp.int32),   # (+ the attention tickets, zero between passes)
+                "ctx": cp.zeros(self.max_seq + 16, cp.int32),
+            }
+        return self.ks, self.sbuf
+
+    _spec_on = False
+
+    @property
+    def _kk(self):
+        """The build this launch runs: the speculative one or the plain one."""
+        return self.ks if self._spec_on else self.k
+
     def _launch(self):
         """cuLaunchCooperativeKernel: the driver refuses the launch unless every block is resident."""
         cp = self.cp
         try:
-            fptr = self.k.mono.kernel.ptr
+            fptr = self._kk.mono.kernel.ptr
             launch = cp.cuda.driver.launchCooperativeKernel
         except AttributeError:     # an older CuPy: a plain launch (132 blocks on 132 idle SMs)
             self.cooperative = False
@@ -284,7 +334,7 @@ class CudaBackend(Backend):
             self._plain_launch()
             return
         try:
-            launch(fptr, self.nblocks, 1, 1, self.nthreads, 1, 1, self.k.smem_bytes, self.stream.ptr,
+            launch(fptr, self.nblocks, 1, 1, self.nthreads, 1, 1, self._kk.smem_bytes, self.stream.ptr,
                    ctypes.addressof(self._argv))
         except Exception as e:  # noqa: BLE001
             if self.comm is None:
@@ -305,11 +355,11 @@ class CudaBackend(Backend):
 
     def _plain_launch(self):
         if not self._params_by_value:
-            self.k.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self.k.smem_bytes)
+            self._kk.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self._kk.smem_bytes)
             return
         self._argv = (ctypes.c_void_p * 1)(self._hparams.ctypes.data)
-        self.cp.cuda.driver.launchKernel(self.k.mono.kernel.ptr, self.nblocks, 1, 1, self.nthreads, 1, 1,
-                                         self.k.smem_bytes, self.stream.ptr, ctypes.addressof(self._argv), 0)
+        self.cp.cuda.driver.launchKernel(self._kk.mono.kernel.ptr, self.nblocks, 1, 1, self.nthreads, 1, 1,
+                                         self._kk.smem_bytes, self.stream.ptr, ctypes.addressof(self._argv), 0)
 
     def _hang_report(self, seen):
         """The kernel made no progress for hang_s: if the CUDA context faulted, raise that (several
@@ -338,8 +388,8 @@ class CudaBackend(Backend):
         print("\n".join(counter_lines(host, self.rcfg.num_lanes)), file=sys.stderr, flush=True)
         os._exit(17)
 
-    def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg):
-        b = self.buf
+    def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg, spec_k=0, context=None):
+        b = self.sbuf if spec_k else self.buf
         ptr = lambda a: 0 if a is None else a.data.ptr
         p = ParamWords(N_PARAMS)       # by the field names of mk_layout.cuh's struct Params
         for name, a in (("w", self.dw.w), ("norms", self.dw.norms), ("fnorm", self.dw.fnorm), ("emb", self.dw.emb),
@@ -348,6 +398,14 @@ class CudaBackend(Backend):
                         *((n, b[n]) for n in ("q", "attp", "hid", "part", "hres", "logits", "cand_v", "cand_i"))):
             p[name] = ptr(a)
         p["ring"], p["status"], p["cancel"] = self.ring.ptr, self.status.ptr, self.cancel.ptr
+        if spec_k:
+            st = np.zeros(SPEC_WORDS, np.int32)
+            st[SW_K], st[SW_PROBE] = spec_k, SPEC_PROBE     # kog_dist.speculative.AdaptiveDraft(k)
+            b["spec"].set(st, stream=self.stream)
+            b["ctx"][:len(context)].set(np.asarray(context, np.int32), stream=self.stream)
+            p["spec"], p["ctx"], p["spec_logits"] = b["spec"].data.ptr, b["ctx"].data.ptr, b["spec_logits"].data.ptr
+            p["spec_k"], p["spec_min_ngram"] = spec_k, SPEC_MIN_NGRAM
+            p["spec_fixed"] = min(int(self._spec_fixed or 0), self.spec_max - 1)
         self._timing = None
         if getattr(self, "_timing_token", None) is not None:
             self._timing = self.cp.zeros((5 * self.cfg.num_hidden_layers + 2, self.nblocks, 5), self.cp.uint64)
@@ -398,20 +456,25 @@ class CudaBackend(Backend):
         for tag, count in epochs_run(self.cfg, int(self.status.a[0])).items():
             self.comm.advance(tag, count)
 
-    def _poison(self):
+    def _poison(self, spec: bool = False):
+        b = self.sbuf if spec else self.buf
         for name in ("q", "attp", "hid", "part", "hres", "logits", "cand_v") + (("yfin",) if self.nranks > 1 else ()):
-            self.buf[name].fill(np.nan)
+            b[name].fill(np.nan)
         self.ctr.fill(0)
         self.ring.a[:] = -1
         self.status.a[:] = 0
         self.cancel.a[:] = 0
 
-    def _generate(self, kc, vc, first, start_pos, max_new, sp, eos, stop, on_token, clock, res, dbg):
+    def _generate(self, kc, vc, first, start_pos, max_new, sp, eos, stop, on_token, clock, res, dbg,
+                  spec_k=0, context=None):
         cp = self.cp
         V = self.cfg.vocab_size
+        if spec_k:
+            self._spec()
+        self._spec_on = bool(spec_k)
         with self.stream:
-            self._poison()
-            self._params(kc, vc, first, start_pos, max_new, sp, eos, stop, dbg)
+            self._poison(self._spec_on)
+            self._params(kc, vc, first, start_pos, max_new, sp, eos, stop, dbg, spec_k, context)
             ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
             ev0.record(self.stream)
             self._launch()
@@ -475,6 +538,10 @@ class CudaBackend(Backend):
                 _KEEP.append((ev0, ev1))
             raise
         self.last_kernel_ms = cp.cuda.get_elapsed_time(ev0, ev1)
+        if spec_k:
+            st = self.sbuf["spec"].get()
+            res.spec_steps, res.spec_drafted, res.spec_accepted = (int(st[SW_STEPS]), int(st[SW_DRAFTED]),
+                                                                   int(st[SW_ACCEPTED]))
         self.last_timing = self._timing.get() if self._timing is not None else None
         if reason is None:
             code = int(status[1])

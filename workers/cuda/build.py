@@ -141,6 +141,28 @@ def check_shape(cfg, dtype: str, nblocks: int | None = None) -> None:
 
 
 SMEM_LIMIT = 225 * 1024
+SPEC_MAX = 9   # positions of a verify pass at most: the last token and kog_dist.speculative.MAX_DRAFT drafts
+
+
+def spec_positions(cfg, dtype: str, nblocks: int, nranks: int = 1) -> int:
+    """CFG_SPEC of the speculative build (mk_spec.cuh): the most positions, up to SPEC_MAX, whose inputs a
+    block stages in shared memory at once (SP planes of the largest input, SP residual bases of its rows,
+    the attention scratch); 0 where there is no verify pass (several lanes or ranks)."""
+    from .weights import split_dtype
+    if cfg.num_lanes != 1 or nranks != 1:
+        return 0
+    qtype, base = split_dtype(dtype)
+    units = one_lane_units(cfg, qtype, base, nblocks)
+    nr_wo, nr_w2, nw = units.get("CFG_NR_WO", 4), units.get("CFG_NR_W2", 2), units.get("CFG_NT", 512) // 32
+    D, HD = cfg.hidden_size, cfg.head_dim
+    G = cfg.num_attention_heads // cfg.kv_heads
+    kmax = max(D, cfg.num_attention_heads * HD, cfg.intermediate_size)
+    att = G * HD + nw * G * HD + 2 * nw * G
+    cb_rows = -(-D // nblocks) + 2 * nr_wo + 2 * nr_w2
+    for sp in range(SPEC_MAX, 1, -1):
+        if (max(sp * kmax, att) + sp * cb_rows + nw * sp + 32) * 4 <= SMEM_LIMIT and sp <= nw:
+            return sp
+    return 0
 
 
 def smem_bytes(cfg, dtype: str, nblocks: int, nthreads: int = 512, norm2: bool = True) -> int:
@@ -197,13 +219,17 @@ class Kernels:
 
 
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True,
-          extra: dict | None = None, nranks: int = 1, marks: bool = False) -> Kernels:
+          extra: dict | None = None, nranks: int = 1, marks: bool = False, spec: int = 0) -> Kernels:
     """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_PF, CFG_PFS, CFG_NR_WO, CFG_NR_W2,
     CFG_UBMAX, CFG_UB_QKV, CFG_NT, CFG_SKEW_NS, CFG_ATT_MINPOS, CFG_PCONST); the defaults are what the
     backend uses.
     nranks > 1: the kernel of one rank of the multi-rank backend (cfg: the model's config; nblocks: given
-    by the backend)."""
+    by the backend).
+    spec > 1: the speculative build, verify passes of up to `spec` positions (one lane, one rank;
+    spec_positions), without the shared-memory weight copy, whose space holds the passes' inputs."""
     import cupy as cp
+    if spec:
+        extra = {**(extra or {}), "CFG_SPEC": int(spec), "CFG_PFS": 0}
     shape = cfg
     if nranks > 1:
         from .multirank import RankView, check
@@ -219,8 +245,9 @@ def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = No
     opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defs.items())
     t0 = time.perf_counter()
     if progress:
+        what = f", verify passes of {spec}" if spec else ""
         print(f"[kog] compiling monokernel ({dtype}, D={cfg.hidden_size}, layers={cfg.num_hidden_layers}, "
-              f"lanes={cfg.num_lanes}, blocks={nblocks}) ...", end="", file=sys.stderr, flush=True)
+              f"lanes={cfg.num_lanes}, blocks={nblocks}{what}) ...", end="", file=sys.stderr, flush=True)
     try:
         mod = cp.RawModule(code=source(), options=opts, backend="nvrtc")
         k = Kernels(mod, defs, 0.0)
@@ -240,13 +267,13 @@ import json, sys
 from kog_dist.config import LaneformerConfig
 from workers.cuda.build import build
 cfg = LaneformerConfig.from_dict(json.loads(sys.argv[1]))
-build(cfg, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), progress=False)
+build(cfg, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), progress=False, spec=int(sys.argv[5]))
 """
 
 
 def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True) -> None:
-    """Compile several (cfg, dtype) variants at once, one process each, to fill CuPy's disk cache; later
-    build() calls then only load the cached binaries. Failures surface at the later build()."""
+    """Compile several (cfg, dtype) or (cfg, dtype, spec) variants at once, one process each, to fill CuPy's
+    disk cache; later build() calls then only load the cached binaries. Failures surface at the later build()."""
     import subprocess
     import json
     import cupy as cp
@@ -255,9 +282,10 @@ def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress:
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(cfg.to_dict()), dt,
-                               str(nblocks or default_blocks(cfg, sms)), str(prefetch)], env=env)
-             for cfg, dt in items]
+    procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(it[0].to_dict()), it[1],
+                               str(nblocks or default_blocks(it[0], sms)), str(prefetch), str(it[2] if len(it) > 2 else 0)],
+                              env=env)
+             for it in items]
     for p in procs:
         p.wait()
     if progress:

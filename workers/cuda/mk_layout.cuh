@@ -150,10 +150,16 @@ struct Params {   // every field 8 bytes; the one list: params.py reads it and t
   const float2* rope;            // 57 [max_seq][HD/2] (cos, sin) of position * theta^(-2k/HD)
   const void* ws;                // 58 scales of quantized layer matrices (CFG_QW; common.cuh), or null
   const float* bias;             // 59 q/k/v biases [NL][L][RQKV] (CFG_BIAS), or null
+  int* spec;                     // 60 speculative passes (CFG_SPEC, mk_spec_lm.cuh SW_*): next ids, counts, or null
+  int* ctx;                      // 61 [max_seq + 16] the context's ids (CFG_SPEC): the cache's, then each token given
+  float* spec_logits;            // 62 [CFG_SPEC][V] each position's logits (CFG_SPEC: sampling, dbg_logits)
+  long long spec_k;              // 63 draft tokens a pass at most (CFG_SPEC)
+  long long spec_min_ngram;      // 64 the shortest context match that drafts (CFG_SPEC)
+  long long spec_fixed;          // 65 > 0: every pass drafts this many tokens, the context's last; < 0: none (benchmarks)
 #if KOG_NRANKS > 1
-  const KcclDev* kd;             // 60 CudaCommunicator.dev_ptr
-  long long e0[3];               // 61..63 first epoch of this launch on channels attn, mlp, final
-  float* yfin;                   // 64 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
+  const KcclDev* kd;             // 66 CudaCommunicator.dev_ptr
+  long long e0[3];               // 67..69 first epoch of this launch on channels attn, mlp, final
+  float* yfin;                   // 70 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
 #endif
 };
 // CFG_PCONST 1: the kernel takes Params by value (__grid_constant__: the words are constant-bank operands

@@ -25,6 +25,8 @@
 //   mk_w13.cuh        phase W13 (phase_w13)
 //   mk_w2.cuh         phase W2 (phase_w2)
 //   mk_lm.cuh         the LM head and sampling (sample_full, phase_lm)
+//   mk_spec.cuh       CFG_SPEC > 0: the layers' phases of a verify pass of up to CFG_SPEC positions
+//   mk_spec_lm.cuh    CFG_SPEC > 0: its LM head, acceptance, drafting on the device, the pass loop (spec_loop)
 //   this file         the kernel (monokernel: the token loop) and monokernel_info
 #include "common.cuh"
 #define NEG_INF __int_as_float(0xff800000)
@@ -42,6 +44,13 @@ using namespace cfg;
 #include "mk_w13.cuh"
 #include "mk_w2.cuh"
 #include "mk_lm.cuh"
+#ifndef CFG_SPEC
+#define CFG_SPEC 0          // > 0: the speculative verify passes of up to CFG_SPEC positions (mk_spec.cuh)
+#endif
+#if CFG_SPEC
+#include "mk_spec.cuh"
+#include "mk_spec_lm.cuh"
+#endif
 
 #if CFG_PCONST
 extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const __grid_constant__ Params pv) {
@@ -71,6 +80,9 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
   if (threadIdx.x == 0) mr_cancel_s = 0;
   __syncthreads();
 #endif
+#if CFG_SPEC
+  spec_loop(p, sm);
+#else
   int tok = (int)p.first_token;
   for (int n = 0; n < p.max_new; ++n) {
     const int t = (int)p.start_pos + n;
@@ -115,10 +127,15 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
     if (mr_bail()) return;
 #endif
   }
+#endif
 }
 
 extern "C" __global__ void monokernel_info(long long* out) {
-  out[0] = SM_FLOATS * 4;   // dynamic shared memory bytes
+#if CFG_SPEC
+  out[0] = SPEC_FLOATS * 4;  // dynamic shared memory bytes
+#else
+  out[0] = SM_FLOATS * 4;    // dynamic shared memory bytes
+#endif
   out[1] = NCTR;
   out[2] = NCH;
   out[3] = VPOW2;

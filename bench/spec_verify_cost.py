@@ -1,0 +1,77 @@
+"""The cost of a speculative verify pass in the monokernel (issue 33): on a one-lane shape with random weights
+made on the device, the plain kernel's decode against the speculative build's passes of 1 + F positions, F
+forced draft tokens each (the context's last F: mostly rejected, so a pass gives one token and the time a
+token is the time a pass). Rounds interleave the sizes; medians. Prints a table and, with --json, the rows.
+
+    python3 bench/spec_verify_cost.py --shape smollm2-135m [--dtype bf16] [--sizes 1,2,4,8] [--reps 3]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--sizes", default="1,2,4,8", help="positions a pass (1: the speculative build, no draft)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="P",
+                    help="instead: the per-phase profile (clock marks) of a plain step and of a pass of P positions")
+    a = ap.parse_args()
+    import numpy as np
+    from workers.factory import STORE_NAMES
+    from kog_dist.backend import RunCommand
+    from kog_dist.shapes import shape_config
+    from workers.cuda.backend import CudaBackend
+    from workers.cuda.build import build
+    from workers.cuda.weights import random_weights
+    cfg, dtype = shape_config(a.shape), STORE_NAMES[a.dtype]
+    k = build(cfg, dtype, marks=bool(a.profile))
+    b = CudaBackend(weights=random_weights(cfg, dtype, k, seed=0), max_seq=a.prompt + a.gen + 16, num_slots=1,
+                    timing_marks=bool(a.profile))
+    b._spec()
+    if a.profile:
+        from workers.cuda.bench_kernel import format_breakdown, phase_breakdown
+        prompt = [int(x) for x in np.random.default_rng(1).integers(0, cfg.vocab_size, a.prompt)]
+        for label, spec, fixed in (("plain step", 0, None), ("pass of 1", 8, -1), (f"pass of {a.profile}", 8, a.profile - 1)):
+            b.run(RunCommand(append=prompt, max_new_tokens=a.gen, speculative=spec), ignore_eos=True,
+                  timing_token=a.gen // 8, spec_fixed=fixed)
+            print(f"## {a.shape} {dtype}: {label} (step {a.gen // 8})")
+            print(format_breakdown(phase_breakdown(b.last_timing, cfg.num_hidden_layers)))
+        b.close()
+        return 0
+    sizes = [int(x) for x in a.sizes.split(",") if int(x) <= b.spec_max]
+    prompt = [int(x) for x in np.random.default_rng(1).integers(0, cfg.vocab_size, a.prompt)]
+    times = {"plain": [], **{s: [] for s in sizes}}
+    for _ in range(a.reps):
+        for key in times:
+            cmd = RunCommand(append=prompt, max_new_tokens=a.gen, speculative=0 if key == "plain" else 8)
+            fixed = None if key == "plain" else (-1 if key == 1 else key - 1)
+            r = b.run(cmd, ignore_eos=True, spec_fixed=fixed)
+            passes = a.gen if key in ("plain", 1) else r.spec_steps + 1
+            times[key].append(r.decode_ms / max(1, passes - 1))
+    b.close()
+    one = statistics.median(times["plain"])
+    rows = [{"positions": "plain", "pass_us": one * 1e3, "vs_plain": 1.0}]
+    rows += [{"positions": s, "pass_us": statistics.median(times[s]) * 1e3, "vs_plain": statistics.median(times[s]) / one}
+             for s in sizes]
+    if a.json:
+        print(json.dumps({"date": time.strftime("%Y-%m-%d"), "shape": a.shape, "dtype": dtype, "rows": rows}))
+    else:
+        print(f"| {a.shape} {dtype} | positions a pass | us a pass | x plain token |")
+        for r in rows:
+            print(f"| | {r['positions']} | {r['pass_us']:.1f} | {r['vs_plain']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

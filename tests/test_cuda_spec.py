@@ -1,0 +1,165 @@
+"""Speculative decoding in the monokernel (mk_spec.cuh, mk_spec_lm.cuh): verify passes of the last token and
+its prompt-lookup drafts, acceptance and drafting on the device. Lossless means bit for bit here: every
+position of a pass computes what a plain step computes there, so the logits of every token given are the
+plain kernel's exactly, the ids are the plain decode's (and the numpy engine's), greedy or sampled, and
+the cache a run leaves behind continues as the plain one does. Runs on the GPU machine:
+`pytest -m gpu tests/test_cuda_spec.py`; skips cleanly without CuPy or a GPU."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+try:
+    import cupy as cp
+    HAVE_GPU = cp.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+    cp, HAVE_GPU = None, False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")]
+
+from kog_dist.backend import RunCommand  # noqa: E402
+from kog_dist.checkpoint import Model  # noqa: E402
+from kog_dist.engine import ReferenceEngine  # noqa: E402
+from kog_dist.sampling import SamplingParams  # noqa: E402
+from kog_dist.tiny import write_tiny_checkpoint  # noqa: E402
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+ONE = dict(num_lanes=1, broadcast_delay=1, num_hidden_layers=3, vocab_size=512)
+MODELS = {
+    # SmolLM2's heads (9 query / 3 kv heads of 64, D 576), tied, biases
+    "hd64_h9kv3_tied_bias": (dict(ONE, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                                  intermediate_size=256, tie_word_embeddings=True, attention_bias=True), "F32"),
+    # head_dim 128, untied, Llama-3 rope scaling
+    "hd128_untied_llama3": (dict(ONE, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=512, rope_theta=500000.0, rope_scaling=LLAMA3), "F32"),
+    # a sliding window of 8 on every layer: a pass's positions see different windows
+    "hd64_slide_all": (dict(ONE, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim_override=64, intermediate_size=384, sliding_window=8,
+                            sliding_window_n_layers=3), "F32"),
+    # quantized layer matrices (Q4_1, the default model's type) and bf16 storage
+    "q4_1": (dict(ONE, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=256,
+                  tie_word_embeddings=True), "Q4_1:F32"),
+    "bf16": (dict(ONE, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=256,
+                  tie_word_embeddings=True, attention_bias=True), "BF16"),
+}
+GEN = 128
+# a prompt that repeats itself: random-weight models then loop, and the context holds what they repeat
+PROMPT = [1, 17, 33, 250, 9, 77, 401, 12, 5, 300, 41, 42] * 3
+
+
+def _cfg(over):
+    from kog_dist.config import LaneformerConfig
+    from kog_dist.tiny import TINY_DEFAULTS
+    return LaneformerConfig.from_dict(dict(TINY_DEFAULTS, **over, model_type="laneformer_tp"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from workers.cuda.build import prebuild, spec_positions
+    out = {}
+    for name, (over, dt) in MODELS.items():
+        d = str(tmp_path_factory.mktemp(name))
+        write_tiny_checkpoint(d, dtype="F32", seed=zlib.crc32(name.encode()) % 1000, **over)
+        if over.get("tie_word_embeddings"):   # tiny's N(0, 1) tied rows: scaled as test_cuda_llama does
+            from test_cuda_llama import _adjust
+            _adjust(d, over)
+        out[name] = d
+    items = []
+    for over, dt in MODELS.values():
+        sp = spec_positions(_cfg(over), dt, 132)
+        items += [(_cfg(over), dt), (_cfg(over), dt, sp)]
+    prebuild(items)
+    return out
+
+
+def _backend(path, dtype):
+    from workers.cuda.backend import CudaBackend
+    return CudaBackend(path, max_seq=512, num_slots=2, progress=False, dtype=dtype)
+
+
+def _run(b, cmd, n):
+    dbg = cp.zeros((n, b.cfg.vocab_size), cp.float32)
+    r = b.run(cmd, ignore_eos=True, dbg_logits=dbg)
+    return r, dbg.get()[:len(r.token_ids)]
+
+
+def _first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name):
+    """Greedy, 128 tokens after a prompt that holds much of what the model will say: the ids with speculation
+    (k = 8) are the plain kernel's, the logits of every token given are the plain kernel's bit for bit, and
+    drafts were accepted. fp32 storage: the ids are also the numpy engine's."""
+    over, dt = MODELS[name]
+    b = _backend(models[name], dt)
+    try:
+        # the prompt, what the model says after it, and the prompt again: what it says next is mostly there
+        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
+        prompt = PROMPT + said + PROMPT
+        plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
+        spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
+    finally:
+        b.close()
+    assert plain.stop_reason == spec.stop_reason == "length"
+    i = _first_diff(spec.token_ids, plain.token_ids)
+    assert i is None, f"{name}: first difference at token {i}"
+    bad = np.nonzero((ls != lp).any(axis=1))[0]
+    assert bad.size == 0, f"{name}: logits of tokens {bad[:8]} differ (max {np.abs(ls - lp).max():.3e})"
+    assert spec.spec_steps > 0 and spec.spec_accepted > 0, spec.stats()
+    if dt == "F32":
+        m = Model(models[name], progress=False)
+        eng = ReferenceEngine(m.cfg, m.weights, m.embed)
+        lg, ref = eng.prefill(prompt), []
+        for _ in range(GEN):
+            ref.append(int(np.argmax(lg)))
+            lg = eng.step(ref[-1])
+        i = _first_diff(spec.token_ids, ref)
+        assert i is None, f"{name}: token {i} differs from the numpy engine's"
+
+
+def test_speculative_sampling_draws_the_plain_tokens(models):
+    """Sampled (temperature, top-p, seed): each position's token is the plain sampler's draw at its counter,
+    so the ids with speculation are the plain run's; another seed gives other ids."""
+    name = "hd64_h9kv3_tied_bias"
+    b = _backend(models[name], "F32")
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    try:
+        plain = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=96, sampling=sp), ignore_eos=True)
+        spec = b.run(RunCommand(slot=1, append=PROMPT, max_new_tokens=96, sampling=sp, speculative=8),
+                     ignore_eos=True)
+        other = b.run(RunCommand(slot=1, append=PROMPT, max_new_tokens=96, speculative=8,
+                                 sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=12)), ignore_eos=True)
+    finally:
+        b.close()
+    assert spec.token_ids == plain.token_ids
+    assert other.token_ids != plain.token_ids
+    assert spec.spec_steps > 0 and spec.spec_drafted > spec.spec_accepted, spec.stats()   # drafts rejected
+
+
+def test_speculative_stops_and_the_cache_it_leaves(models):
+    """A stop id and max_tokens that fall inside a pass's accepted drafts end the run where the plain run
+    ends; the slot then holds what the plain run's holds: a second turn on it gives the plain ids."""
+    name = "hd64_h9kv3_tied_bias"
+    b = _backend(models[name], "F32")
+    try:
+        base = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=GEN), ignore_eos=True).token_ids
+        stop_at = next(i for i in range(30, GEN) if base[i] not in base[:i])   # a token's first appearance
+        for kw in ({"stop_ids": (base[stop_at],), "max_new_tokens": GEN}, {"max_new_tokens": 37}):
+            runs = []
+            for slot, k in ((0, 0), (1, 8)):
+                r1 = b.run(RunCommand(slot=slot, append=PROMPT, speculative=k, **kw), ignore_eos=True)
+                turn = [3, 5, 7, 11]
+                r2 = b.run(RunCommand(slot=slot, keep=b.cached(slot), append=turn, max_new_tokens=48, speculative=k),
+                           ignore_eos=True)
+                runs.append((r1.token_ids, r1.stop_reason, r1.cached, r2.token_ids))
+            assert runs[0] == runs[1], kw
+            if "stop_ids" in kw:
+                assert runs[0][1] == "stop" and runs[0][0][-1] == base[stop_at]
+        assert runs[0][1] == "length" and len(runs[0][0]) == 37
+    finally:
+        b.close()
