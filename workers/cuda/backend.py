@@ -28,7 +28,8 @@ SW_K, SW_PROBE, SW_STEPS, SW_DRAFTED, SW_ACCEPTED = 19, 21, 23, 24, 25
 SPEC_TICKETS, SPEC_MAX_TICKETS = 64, 1024
 SPEC_WORDS = SPEC_TICKETS + SPEC_MAX_TICKETS
 SPEC_PROBE = 8        # kog_dist.speculative.AdaptiveDraft's probe_every
-SPEC_MIN_NGRAM = 1    # a verify position costs little here: every match drafts (the cpu backend: 3)
+SPEC_MIN_NGRAM = 3    # the shortest context match that drafts, and the first draft's size (AdaptiveDraft's start;
+SPEC_START = 3        # it doubles up to k while accepted): bench/spec_policy.py, BENCHMARKS.md "Speculative verify passes"
 N_PARAMS = 72   # words of the host copy of Params (mk_layout.cuh's struct: 66, 71 with several ranks)
 MAX_STOP, MAX_EOS = 16, 8
 # CuPy events of launches that failed with a CUDA error, or with several ranks (a peer lost, a kccl
@@ -400,7 +401,7 @@ class CudaBackend(Backend):
         p["ring"], p["status"], p["cancel"] = self.ring.ptr, self.status.ptr, self.cancel.ptr
         if spec_k:
             st = np.zeros(SPEC_WORDS, np.int32)
-            st[SW_K], st[SW_PROBE] = spec_k, SPEC_PROBE     # kog_dist.speculative.AdaptiveDraft(k)
+            st[SW_K], st[SW_PROBE] = min(spec_k, SPEC_START), SPEC_PROBE   # AdaptiveDraft(k, start=SPEC_START)
             b["spec"].set(st, stream=self.stream)
             b["ctx"][:len(context)].set(np.asarray(context, np.int32), stream=self.stream)
             p["spec"], p["ctx"], p["spec_logits"] = b["spec"].data.ptr, b["ctx"].data.ptr, b["spec_logits"].data.ptr

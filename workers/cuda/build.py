@@ -226,10 +226,10 @@ def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = No
     nranks > 1: the kernel of one rank of the multi-rank backend (cfg: the model's config; nblocks: given
     by the backend).
     spec > 1: the speculative build, verify passes of up to `spec` positions (one lane, one rank;
-    spec_positions), without the shared-memory weight copy, whose space holds the passes' inputs."""
+    spec_positions)."""
     import cupy as cp
     if spec:
-        extra = {**(extra or {}), "CFG_SPEC": int(spec), "CFG_PFS": 0}
+        extra = {**(extra or {}), "CFG_SPEC": int(spec)}
     shape = cfg
     if nranks > 1:
         from .multirank import RankView, check

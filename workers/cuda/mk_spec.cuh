@@ -9,12 +9,11 @@
 #pragma once
 
 static_assert(L == 1 && KOG_NRANKS == 1, "speculative verify passes: one-lane models on one rank");
-static_assert(PFS == 0, "speculative builds stage SP inputs where the weight copy would go (CFG_PFS 0)");
 constexpr int SP = CFG_SPEC;                                 // positions a pass at most
 constexpr int KMAX = cmax(cmax(D, HDL), FL);                 // a position's input plane (floats)
 constexpr int S_CB = cmax(SP * KMAX, SM_ATT);                // [SP][CB_ROWS] residual bases of the block's rows
 constexpr int S_RED = S_CB + SP * CB_ROWS;                   // [NW][SP] norm sums
-constexpr int SPEC_FLOATS = S_RED + NW * SP + 32;
+constexpr int SPEC_FLOATS = cmax(S_RED + NW * SP + 32, SM_FLOATS);   // (a pass of one runs the plain phases)
 static_assert(SPEC_FLOATS * 4 <= 225 * 1024, "shared memory: fewer speculative positions (CFG_SPEC)");
 constexpr long long S_ATT = (long long)KV * NCH * G * ATTP;  // a position's attention partials
 // the residual of position j at version s (SP copies of the one-token hres)
@@ -30,6 +29,28 @@ __device__ __forceinline__ float s_hbase(const Params& p, int s, int j, int d, c
 // (a pass's np rounded up: PSIZE), so that the loops have no per-position branch (with one, a pass of one
 // position ran its rows 5-8x slower than the plain kernel's); positions past np dot whatever their planes
 // hold and are not used
+// dotx on weights already unpacked: the same products and sums in the same order
+template <int K>
+__device__ __forceinline__ float dotx_f(const float* f, const float* xs, int c) {
+  float s = 0.f;
+  if (!XPL) {
+    const float* x = xs + c * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; e += 4) {
+      float4 a = *reinterpret_cast<const float4*>(x + e);
+      s = fmaf(f[e], a.x, s);
+      s = fmaf(f[e + 1], a.y, s);
+      s = fmaf(f[e + 2], a.z, s);
+      s = fmaf(f[e + 3], a.w, s);
+    }
+    return s;
+  }
+  const float4 a = *reinterpret_cast<const float4*>(xs + c * 4);
+  const float4 b = *reinterpret_cast<const float4*>(xs + (K >> 1) + c * 4);
+  s = fmaf(f[0], a.x, s); s = fmaf(f[1], a.y, s); s = fmaf(f[2], a.z, s); s = fmaf(f[3], a.w, s);
+  s = fmaf(f[4], b.x, s); s = fmaf(f[5], b.y, s); s = fmaf(f[6], b.z, s); s = fmaf(f[7], b.w, s);
+  return s;
+}
 template <int NR, int K, int UBM, int P>
 __device__ __forceinline__ void warp_dot_p(const wt* __restrict__ w, int nvalid, const float* xs, float (*out)[NR]) {
   constexpr int NCHK = K / VEC;
@@ -56,14 +77,18 @@ __device__ __forceinline__ void warp_dot_p(const wt* __restrict__ w, int nvalid,
           wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < UB; ++u) {   // a chunk's weights unpacked once, each position's inputs read once
+      const int c = (b0 + u) * 32 + lane;
+      if (b0 + u < CPL && c < NCHK) {
+        float f[NR][VEC];
 #pragma unroll
-      for (int u = 0; u < UB; ++u) {
-        const int c = (b0 + u) * 32 + lane;
-        if (b0 + u < CPL && c < NCHK)
+        for (int r = 0; r < NR; ++r) unpack(wv[r][u], f[r]);
 #pragma unroll
-          for (int j = 0; j < P; ++j) acc[j][r] += dotx<K>(wv[r][u], xs + j * KMAX, c);
+        for (int j = 0; j < P; ++j)
+#pragma unroll
+          for (int r = 0; r < NR; ++r) acc[j][r] += dotx_f<K>(f[r], xs + j * KMAX, c);
       }
+    }
   }
 #pragma unroll
   for (int j = 0; j < P; ++j)

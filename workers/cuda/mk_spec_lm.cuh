@@ -315,13 +315,25 @@ __device__ void spec_loop(const Params& p, float* sm) {
       t = s_ctl[1];
       __syncthreads();   // s_ctl is rewritten by the last block of this pass
     }
-    for (int i = 0; i < NL; ++i) {
-      spec_qkv(p, sm, n, i, t, np, s_ids);
-      spec_att(p, sm, n, i, t, np);
-      spec_wo(p, sm, n, i, t, np, s_ids);
-      spec_w13(p, sm, n, i, np, s_ids);
-      spec_w2(p, sm, n, i, np, s_ids);
-    }
+    // a pass of one position is a plain step: the plain phases (their buffers are position 0's here, their
+    // weight copies complete within the pass), so a pass without a draft costs what a plain token costs
+    if (np == 1)
+      for (int i = 0; i < NL; ++i) {
+        const int tok = s_ids[0];
+        phase_qkv(p, sm, n, i, t, tok, false);
+        phase_att(p, sm, n, i, t, tok);
+        phase_wo(p, sm, n, i, t, tok);
+        phase_w13(p, sm, n, i, tok);
+        phase_w2(p, sm, n, i, tok);
+      }
+    else
+      for (int i = 0; i < NL; ++i) {
+        spec_qkv(p, sm, n, i, t, np, s_ids);
+        spec_att(p, sm, n, i, t, np);
+        spec_wo(p, sm, n, i, t, np, s_ids);
+        spec_w13(p, sm, n, i, np, s_ids);
+        spec_w2(p, sm, n, i, np, s_ids);
+      }
     spec_lm(p, sm, n, t, np);
   }
 }
