@@ -1,5 +1,5 @@
 """The `cuda` backend: batched prefill (cuBLAS + prefill.cu), then ONE launch of the monokernel for the
-whole generation. Tokens come back through host-mapped memory while the kernel runs; the host raises a
+whole generation (with speculation on a one-lane model: its speculative build, mk_spec.cuh). Tokens come back through host-mapped memory while the kernel runs; the host raises a
 host-mapped cancel flag that the kernel reads once per token.
 
 One rank runs every lane (the measured path). With a kccl `cuda_ipc` CudaCommunicator of N > 1 ranks
