@@ -25,7 +25,8 @@
 //   mk_w13.cuh        phase W13 (phase_w13)
 //   mk_w2.cuh         phase W2 (phase_w2)
 //   mk_lm.cuh         the LM head and sampling (sample_full, phase_lm)
-//   mk_spec.cuh       CFG_SPEC > 0: the layers' phases of a verify pass of up to CFG_SPEC positions
+//   mk_spec.cuh       CFG_SPEC > 0: the layers' phases of a verify pass of up to CFG_SPEC positions (its row
+//                     loops in mk_spec_rows.cuh, included by it)
 //   mk_spec_lm.cuh    CFG_SPEC > 0: its LM head, acceptance, drafting on the device, the pass loop (spec_loop)
 //   this file         the kernel (monokernel: the token loop) and monokernel_info
 #include "common.cuh"
