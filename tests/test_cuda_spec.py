@@ -163,3 +163,40 @@ def test_speculative_stops_and_the_cache_it_leaves(models):
         assert runs[0][1] == "length" and len(runs[0][0]) == 37
     finally:
         b.close()
+
+
+def test_device_drafting_follows_the_cpu_rule(models):
+    """The drafts come from the device's lookup and sizes (mk_spec_lm.cuh draft_lookup, draft_update,
+    draft_size): replaying the run on the host with kog_dist.speculative.lookup and AdaptiveDraft (backend.py's
+    shortest match and first draft, the same clipping to the tokens and positions left) over the plain run's
+    ids gives the kernel's counts of passes, draft tokens and accepted ones exactly."""
+    from kog_dist.speculative import MAX_NGRAM, AdaptiveDraft, lookup
+    from workers.cuda import backend as B
+    name, n, k = "hd64_h9kv3_tied_bias", 96, 8
+    b = _backend(models[name], "F32")
+    try:
+        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
+        prompt = PROMPT + said + PROMPT
+        plain = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=n + 16), ignore_eos=True).token_ids
+        spec = b.run(RunCommand(slot=1, append=prompt, max_new_tokens=n, speculative=k), ignore_eos=True)
+        sp_max = b.spec_max
+    finally:
+        b.close()
+    assert spec.token_ids == plain[:n]
+    ctx, given = list(prompt) + [plain[0]], 1          # the first pass: the last prompt token alone
+    policy = AdaptiveDraft(min(k, sp_max - 1), start=B.SPEC_START)
+    steps = drafted = accepted = 0
+    while given < n:
+        kk = min(policy.size(), n - given - 1, 512 - (len(ctx) - 1) - 1, sp_max - 1)
+        draft = lookup(ctx, kk, MAX_NGRAM, B.SPEC_MIN_NGRAM) if kk > 0 else []
+        acc = 0
+        while acc < len(draft) and draft[acc] == plain[given + acc]:
+            acc += 1
+        if draft:
+            steps, drafted, accepted = steps + 1, drafted + len(draft), accepted + acc
+        policy.update(len(draft), acc)
+        take = min(acc + 1, n - given)
+        ctx += plain[given:given + take]
+        given += take
+    assert (spec.spec_steps, spec.spec_drafted, spec.spec_accepted) == (steps, drafted, accepted)
+    assert accepted > 0
