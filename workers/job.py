@@ -213,6 +213,8 @@ def _serve(a, src, cfg, backend, comm, hb=None) -> int:
     keys = (a.curve_server_key, a.curve_clients) if a.curve_server_key else None
     if not 0 <= a.speculative <= 8:
         raise ValueError(f"--speculative must be 0..8 draft tokens, got {a.speculative}")
+    if a.speculative > 0 and hasattr(backend, "prepare_speculative"):
+        backend.prepare_speculative()   # the cuda backend's speculative build before the first request
     try:
         coord = Coordinator(a.control, group, load_tokenizer(src), cfg, allow_remote=a.allow_remote,
                             curve_keys=keys, queue_limit=a.queue_limit, session_ttl_s=a.session_ttl,

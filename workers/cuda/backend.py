@@ -281,6 +281,12 @@ class CudaBackend(Backend):
     hang_s = 20.0
     cooperative = None
 
+    def prepare_speculative(self) -> None:
+        """Compile the speculative build now (a server whose requests speculate by default), not at the
+        first such request; nothing for models without verify passes (several lanes or ranks)."""
+        if self.spec_max > 1:
+            self._spec()
+
     def _spec(self):
         """The speculative build (verify passes of self.spec_max positions, mk_spec.cuh) and its buffers:
         the one-token buffers with a row a position, the pass state and the context's ids."""
