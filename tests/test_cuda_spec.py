@@ -200,3 +200,22 @@ def test_device_drafting_follows_the_cpu_rule(models):
         given += take
     assert (spec.spec_steps, spec.spec_drafted, spec.spec_accepted) == (steps, drafted, accepted)
     assert accepted > 0
+
+
+def test_speculative_cache_equals_the_plain_cache(models):
+    """After a run with speculation, the slot's keys and values at every position it holds are the plain
+    run's bit for bit (rejected positions past them are overwritten before any query reads them)."""
+    name = "hd64_slide_all"
+    b = _backend(models[name], "F32")
+    try:
+        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
+        prompt = PROMPT + said + PROMPT
+        plain = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=80), ignore_eos=True)
+        spec = b.run(RunCommand(slot=1, append=prompt, max_new_tokens=80, speculative=8), ignore_eos=True)
+        assert spec.token_ids == plain.token_ids and spec.cached == plain.cached
+        assert spec.spec_accepted > 0, spec.stats()
+        n = plain.cached
+        for a, c in zip(b.caches[0], b.caches[1]):      # keys, then values: [layers, kv heads, max_seq, hd]
+            assert cp.array_equal(a[:, :, :n], c[:, :, :n]), "cache differs"
+    finally:
+        b.close()
