@@ -8,7 +8,6 @@ token is the time a pass). Rounds interleave the sizes; medians. Prints a table 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -49,21 +48,9 @@ def main() -> int:
             print(format_breakdown(phase_breakdown(b.last_timing, cfg.num_hidden_layers)))
         b.close()
         return 0
-    sizes = [int(x) for x in a.sizes.split(",") if int(x) <= b.spec_max]
-    prompt = [int(x) for x in np.random.default_rng(1).integers(0, cfg.vocab_size, a.prompt)]
-    times = {"plain": [], **{s: [] for s in sizes}}
-    for _ in range(a.reps):
-        for key in times:
-            cmd = RunCommand(append=prompt, max_new_tokens=a.gen, speculative=0 if key == "plain" else 8)
-            fixed = None if key == "plain" else (-1 if key == 1 else key - 1)
-            r = b.run(cmd, ignore_eos=True, spec_fixed=fixed)
-            passes = a.gen if key in ("plain", 1) else r.spec_steps + 1
-            times[key].append(r.decode_ms / max(1, passes - 1))
+    from kog_cli.bench_spec import pass_cost
+    rows = pass_cost(b, [int(x) for x in a.sizes.split(",")], a.prompt, a.gen, a.reps)
     b.close()
-    one = statistics.median(times["plain"])
-    rows = [{"positions": "plain", "pass_us": one * 1e3, "vs_plain": 1.0}]
-    rows += [{"positions": s, "pass_us": statistics.median(times[s]) * 1e3, "vs_plain": statistics.median(times[s]) / one}
-             for s in sizes]
     if a.json:
         print(json.dumps({"date": time.strftime("%Y-%m-%d"), "shape": a.shape, "dtype": dtype, "rows": rows}))
     else:

@@ -157,8 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps (a build with the "
                     "marks compiled in, about 1.4%% slower than the decode build)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
-                    help="speculative rows instead (needs --model): the agent-like tasks decoded with and without "
-                         "prompt lookup of up to K (1..8) draft tokens, --gen tokens each, --reps rounds")
+                    help="speculative rows instead: with --model the agent-like tasks decoded with and without "
+                         "prompt lookup of up to K (1..8) draft tokens, --gen tokens each, --reps rounds; with --shape "
+                         "(cuda) the cost of a verify pass of 1, 2, 4, 8 and K + 1 positions against a plain token")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--json-out", help="also write the JSON report to this file")
     ap.add_argument("--np", type=int, default=1, dest="nranks",
@@ -320,9 +321,11 @@ def _speculative(args) -> int:
     if not 1 <= args.speculative <= 8:
         print(f"kog bench: error: --speculative takes 1 to 8 draft tokens (got {args.speculative})", file=sys.stderr)
         return 2
+    if args.shape is not None and args.model is None and args.nranks == 1:
+        return _speculative_cost(args)
     if args.model is None or args.nranks != 1:
         print("kog bench: error: --speculative runs a real model's tokenizer and chat template on one rank: give "
-              "--model (and no --np)", file=sys.stderr)
+              "--model (and no --np), or --shape for the cost of a verify pass", file=sys.stderr)
         return 2
     from .bench_spec import run, table
     if args.dtype and "," in args.dtype:
@@ -331,6 +334,48 @@ def _speculative(args) -> int:
     report = run(args.model, args.backend, args.speculative, args.gen, args.reps, 3 * args.reps, _say, dtype=args.dtype)
     _emit(dict(report, commit=_commit(), args=vars(args)), args, table)
     return 0 if all(r["identical"] for r in report["rows"]) else 1
+
+
+def _speculative_cost(args) -> int:
+    """`kog bench --shape S --speculative K`: the cuda backend's verify passes of P positions on random weights,
+    against its plain token in the same run (kog_cli/bench_spec.pass_cost)."""
+    from workers.factory import cuda_available
+    if args.backend == "cpu" or not cuda_available():
+        print("kog bench: error: --shape with --speculative measures the cuda backend's verify passes: it needs "
+              "CuPy and a CUDA GPU (the cpu backend's cost: --model M --backend cpu --speculative K)", file=sys.stderr)
+        return 2
+    if args.dtype and "," in args.dtype:
+        print("kog bench: error: --speculative takes one --dtype", file=sys.stderr)
+        return 2
+    import cupy as cp
+    from workers.cuda.backend import CudaBackend
+    from workers.cuda.build import build
+    from workers.cuda.weights import random_weights
+    from .bench_spec import pass_cost
+    cfg = shape_config(args.shape)
+    dtype = STORE_NAMES[args.dtype] if args.dtype else "BF16"
+    k = build(cfg, dtype, args.nblocks, args.prefetch)
+    b = CudaBackend(weights=random_weights(cfg, dtype, k, seed=args.seed), max_seq=args.prompt + args.gen + 16,
+                    num_slots=1, nblocks=args.nblocks, prefetch=args.prefetch)
+    try:
+        if b.spec_max < 2:
+            print(f"kog bench: error: the {args.shape} shape has {cfg.num_lanes} lanes: verify passes are built for "
+                  "one-lane models", file=sys.stderr)
+            return 2
+        sizes = sorted({1, 2, 4, 8, args.speculative + 1})
+        rows = pass_cost(b, sizes, args.prompt, args.gen, args.reps)
+    finally:
+        b.close()
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(cp.cuda.Device().id), "commit": _commit(),
+              "shape": args.shape, "dtype": dtype, "positions_max": b.spec_max, "rows": rows, "args": vars(args)}
+
+    def render(r):
+        out = [f"{r['shape']} ({r['dtype']}, random weights) on {r['device']}: a verify pass of P positions against "
+               f"a plain token, {args.prompt} + {args.gen} tokens, medians of {args.reps}",
+               "| positions | us a pass | x a plain token |", "|---|---|---|"]
+        out += [f"| {x['positions']} | {x['pass_us']:.1f} | {x['vs_plain']:.2f}x |" for x in r["rows"]]
+        return "\n".join(out)
+    return _emit(report, args, render)
 
 
 def _emit(report: dict, args, render=None) -> int:

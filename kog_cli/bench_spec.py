@@ -58,6 +58,29 @@ def verify_cost(backend, ids, reps: int, slot: int = 1) -> dict | None:
     return {"step_ms": one * 1e3, **{str(T): statistics.median(times[T]) / one for T in SIZES}}
 
 
+def pass_cost(backend, sizes, prompt_len: int, gen: int, reps: int, seed: int = 1) -> list[dict]:
+    """The cuda backend's verify passes of P positions against its plain token: rows {"positions", "pass_us",
+    "vs_plain"} (medians of `reps` rounds that interleave the sizes). Every pass of P > 1 drafts P - 1 tokens,
+    the context's last (CudaBackend.run's spec_fixed): mostly rejected, so a pass gives about one token; P = 1
+    is the speculative build's pass without a draft. A random prompt of prompt_len tokens, gen tokens."""
+    import numpy as np
+    sizes = [s for s in sizes if 1 <= s <= backend.spec_max]
+    prompt = [int(x) for x in np.random.default_rng(seed).integers(0, backend.cfg.vocab_size, prompt_len)]
+    times = {"plain": [], **{s: [] for s in sizes}}
+    for _ in range(reps):
+        for key in times:
+            cmd = RunCommand(append=prompt, max_new_tokens=gen, speculative=0 if key == "plain" else 8)
+            fixed = None if key == "plain" else (-1 if key == 1 else key - 1)
+            r = backend.run(cmd, ignore_eos=True, spec_fixed=fixed)
+            passes = gen if key in ("plain", 1) else r.spec_steps + 1
+            times[key].append(r.decode_ms / max(1, passes - 1))
+    one = statistics.median(times["plain"])
+    rows = [{"positions": "plain", "pass_us": one * 1e3, "vs_plain": 1.0}]
+    rows += [{"positions": s, "pass_us": statistics.median(times[s]) * 1e3, "vs_plain": statistics.median(times[s]) / one}
+             for s in sizes]
+    return rows
+
+
 def task_row(backend, cfg, tok, task: dict, k: int, new_tokens: int, rounds: int) -> dict:
     ids = tok.encode_chat([{"role": "user", "content": task["prompt"]}])
     runs, cpu = {0: [], k: [], "prefill": []}, {0: [], k: [], "prefill": []}

@@ -114,7 +114,46 @@ def test_speculative_rows_on_the_default_model():
 
 
 def test_speculative_rows_refuse_what_they_cannot_run():
-    r = kog("bench", "--shape", "smollm2-135m", "--speculative", "8")
+    """--shape with --speculative is the cuda backend's verify-pass cost: refused in one line without a GPU
+    (or with --backend cpu), as is --np without --model."""
+    from workers.factory import cuda_available
+    if not cuda_available():
+        r = kog("bench", "--shape", "smollm2-135m", "--speculative", "8")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "verify passes" in r.stderr and "CUDA GPU" in r.stderr, r.stderr
+    r = kog("bench", "--shape", "smollm2-135m", "--speculative", "8", "--backend", "cpu")
+    assert r.returncode == 2 and "needs CuPy and a CUDA GPU" in r.stderr, r.stderr
+    r = kog("bench", "--shape", "smollm2-135m", "--speculative", "8", "--np", "2")
     assert r.returncode == 2 and "--speculative" in r.stderr and "give --model" in r.stderr, r.stderr
     r = kog("bench", "--model", "default", "--speculative", "12")
     assert r.returncode == 2 and r.stderr.strip() == "kog bench: error: --speculative takes 1 to 8 draft tokens (got 12)"
+
+
+def test_pass_cost_divides_by_the_passes_run():
+    """kog_cli/bench_spec.pass_cost's arithmetic (the cuda rows of `kog bench --shape S --speculative K` and
+    bench/spec_verify_cost.py), on a stand-in for the cuda backend (no GPU here): a pass of P positions that
+    costs c(P) ms and gives one token, or some accepted drafts, is reported as c(P) / c(plain); sizes past the
+    build's positions are dropped; each run asks for the pass size it measures."""
+    from kog_dist.backend import RunResult
+    from kog_cli.bench_spec import pass_cost
+    cost = {"plain": 0.5, 1: 0.52, 2: 0.7, 4: 0.85}
+    seen = []
+
+    class Stand:
+        spec_max = 4
+
+        class cfg:
+            vocab_size = 100
+
+        def run(self, cmd, ignore_eos=False, spec_fixed=None):
+            key = "plain" if cmd.speculative == 0 else (1 if spec_fixed == -1 else spec_fixed + 1)
+            seen.append((key, len(cmd.append), cmd.max_new_tokens))
+            passes = cmd.max_new_tokens if key in ("plain", 1) else cmd.max_new_tokens // 2   # some accepted
+            return RunResult(token_ids=[0] * cmd.max_new_tokens, decode_ms=(passes - 1) * cost[key],
+                             spec_steps=0 if key in ("plain", 1) else passes - 1)
+    rows = pass_cost(Stand(), [1, 2, 4, 8], prompt_len=16, gen=64, reps=2)
+    assert [r["positions"] for r in rows] == ["plain", 1, 2, 4]
+    for r in rows[1:]:
+        assert abs(r["vs_plain"] - cost[r["positions"]] / cost["plain"]) < 1e-9
+        assert abs(r["pass_us"] - cost[r["positions"]] * 1e3) < 1e-6
+    assert len(seen) == 8 and all(n == 16 and g == 64 for _, n, g in seen)
