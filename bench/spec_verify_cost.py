@@ -4,6 +4,7 @@ forced draft tokens each (the context's last F: mostly rejected, so a pass gives
 token is the time a pass). Rounds interleave the sizes; medians. Prints a table and, with --json, the rows.
 
     python3 bench/spec_verify_cost.py --shape smollm2-135m [--dtype bf16] [--sizes 1,2,4,8] [--reps 3]
+                                      [--define CFG_SPEC_NOINL=1] [--profile P]
 """
 import argparse
 import json
@@ -23,6 +24,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--define", action="append", default=[], metavar="CFG_X=V",
+                    help="extra compile-time define of both builds (variants, e.g. CFG_SPEC_NOINL=1)")
     ap.add_argument("--profile", type=int, default=0, metavar="P",
                     help="instead: the per-phase profile (clock marks) of a plain step and of a pass of P positions")
     a = ap.parse_args()
@@ -34,9 +37,10 @@ def main() -> int:
     from workers.cuda.build import build
     from workers.cuda.weights import random_weights
     cfg, dtype = shape_config(a.shape), STORE_NAMES[a.dtype]
-    k = build(cfg, dtype, marks=bool(a.profile))
+    extra = {k: int(v) for k, v in (d.split("=", 1) for d in a.define)}
+    k = build(cfg, dtype, marks=bool(a.profile), extra=extra)
     b = CudaBackend(weights=random_weights(cfg, dtype, k, seed=0), max_seq=a.prompt + a.gen + 16, num_slots=1,
-                    timing_marks=bool(a.profile))
+                    timing_marks=bool(a.profile), extra_defines=extra)
     b._spec()
     if a.profile:
         from workers.cuda.bench_kernel import format_breakdown, phase_breakdown

@@ -285,6 +285,12 @@ def test_speculative_builds_fit_and_the_state_words_agree(tmp_path):
         if sp < SPEC_MAX:
             assert not compiles(cfg, dt, sp + 1), (name, sp)
     assert spec_positions(shape_config("llama3.2-1b"), "BF16", 132) < SPEC_MAX   # F 8192: 6 planes at most
+    exe = tmp_path / "noinl"   # the knob CFG_SPEC_NOINL (the pass's phases out of line) compiles too
+    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", str(prog), "-o", str(exe)]
+                       + [f"-D{k}={v}" for k, v in defines(shape_config("smollm2-135m"), "BF16", 132,
+                                                            extra={"CFG_SPEC": 9, "CFG_SPEC_NOINL": 1}).items()],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
     assert spec_positions(shape_config("2b"), "BF16", 132) == 0
     src = open(os.path.join(CUDA_DIR, "mk_spec_lm.cuh")).read()
     words = {m.group(1): int(m.group(2)) for m in re.finditer(r"\bSW_(\w+) = (\d+)", src)}

@@ -75,9 +75,9 @@ def models(tmp_path_factory):
     return out
 
 
-def _backend(path, dtype):
+def _backend(path, dtype, extra=None):
     from workers.cuda.backend import CudaBackend
-    return CudaBackend(path, max_seq=512, num_slots=2, progress=False, dtype=dtype)
+    return CudaBackend(path, max_seq=512, num_slots=2, progress=False, dtype=dtype, extra_defines=extra)
 
 
 def _run(b, cmd, n):
@@ -219,3 +219,21 @@ def test_speculative_cache_equals_the_plain_cache(models):
             assert cp.array_equal(a[:, :, :n], c[:, :, :n]), "cache differs"
     finally:
         b.close()
+
+
+def test_out_of_line_phases_give_the_same_bits(models):
+    """The knob CFG_SPEC_NOINL=1 (the pass's phases out of line, reading Params from the shared copy) changes
+    where the code lives, not what it computes: the ids and logits of the greedy test's run are the plain
+    kernel's bit for bit. (Written without device time: not run yet.)"""
+    name = "q4_1"
+    over, dt = MODELS[name]
+    b = _backend(models[name], dt, {"CFG_SPEC_NOINL": 1})
+    try:
+        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
+        prompt = PROMPT + said + PROMPT
+        plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
+        spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
+    finally:
+        b.close()
+    assert spec.token_ids == plain.token_ids and spec.spec_accepted > 0
+    assert np.array_equal(ls, lp)

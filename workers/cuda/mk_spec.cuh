@@ -9,6 +9,19 @@
 #pragma once
 
 static_assert(L == 1 && KOG_NRANKS == 1, "speculative verify passes: one-lane models on one rank");
+// CFG_SPEC_NOINL 1: the pass's phases out of line (reading Params from the shared copy, as phase_att does), so
+// that the plain phases a pass of one runs keep the plain build's registers (with them inline the kernel's
+// spills grow several-fold and a Llama-3.2-1B pass of one costs 1.36 plain tokens). Not measured yet: a knob.
+#ifndef CFG_SPEC_NOINL
+#define CFG_SPEC_NOINL 0
+#endif
+#if CFG_SPEC_NOINL
+#define SPEC_PHASE __device__ __noinline__
+#define SPEC_PARAMS(x) NOINL_PARAMS(x)
+#else
+#define SPEC_PHASE __device__
+#define SPEC_PARAMS(x) x
+#endif
 constexpr int SP = CFG_SPEC;                                 // positions a pass at most
 constexpr int KMAX = cmax(cmax(D, HDL), FL);                 // a position's input plane (floats)
 constexpr int S_CB = cmax(SP * KMAX, SM_ATT);                // [SP][CB_ROWS] residual bases of the block's rows
@@ -81,7 +94,8 @@ __device__ void spec_norms(const Params& p, float* sm, int s, int np, const int*
 }
 
 // ---- QKV: attention norm, q/k/v rows, RoPE at each position, KV append at t + j ----------------------
-__device__ void spec_qkv(const Params& p, float* sm, int n, int i, int t, int np, const int* ids) {
+SPEC_PHASE void spec_qkv(const Params& p_, float* sm, int n, int i, int t, int np, const int* ids) {
+  const Params& p = SPEC_PARAMS(p_);
   int ua, ub;
   tmark(p, n, 5 * i, 0);
   brange(U_QKV, ua, ub);
@@ -324,7 +338,8 @@ __device__ __forceinline__ void spec_rows(const Params& p, const float* sm, long
       }
   }
 }
-__device__ void spec_wo(const Params& p, float* sm, int n, int i, int t, int np, const int* ids) {
+SPEC_PHASE void spec_wo(const Params& p_, float* sm, int n, int i, int t, int np, const int* ids) {
+  const Params& p = SPEC_PARAMS(p_);
   int ua, ub;
   tmark(p, n, 5 * i + 2, 0);
   brange(U_WO, ua, ub);
@@ -347,7 +362,8 @@ __device__ void spec_wo(const Params& p, float* sm, int n, int i, int t, int np,
 }
 
 // ---- W13: ffn norm, gate/up rows, silu(gate) * up for np positions -----------------------------------
-__device__ void spec_w13(const Params& p, float* sm, int n, int i, int np, const int* ids) {
+SPEC_PHASE void spec_w13(const Params& p_, float* sm, int n, int i, int np, const int* ids) {
+  const Params& p = SPEC_PARAMS(p_);
   int ua, ub;
   tmark(p, n, 5 * i + 3, 0);
   brange(U_W13, ua, ub);
@@ -371,7 +387,8 @@ __device__ void spec_w13(const Params& p, float* sm, int n, int i, int np, const
   tmark(p, n, 5 * i + 3, 2);
 }
 
-__device__ void spec_w2(const Params& p, float* sm, int n, int i, int np, const int* ids) {
+SPEC_PHASE void spec_w2(const Params& p_, float* sm, int n, int i, int np, const int* ids) {
+  const Params& p = SPEC_PARAMS(p_);
   int ua, ub;
   tmark(p, n, 5 * i + 4, 0);
   brange(U_W2, ua, ub);

@@ -122,7 +122,8 @@ __device__ void spec_final_norms(const Params& p, float* sm, int np) {
 }
 
 // the LM head for np positions; the last block draws, accepts, gives the tokens and drafts the next pass
-__device__ void spec_lm(const Params& p, float* sm, int n, int t, int np) {
+SPEC_PHASE void spec_lm(const Params& p_, float* sm, int n, int t, int np) {
+  const Params& p = SPEC_PARAMS(p_);
   int ua, ub;
   tmark(p, n, 5 * NL, 0);
   brange(U_LM, ua, ub);
