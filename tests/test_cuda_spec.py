@@ -80,6 +80,13 @@ def _backend(path, dtype, extra=None):
     return CudaBackend(path, max_seq=512, num_slots=2, progress=False, dtype=dtype, extra_defines=extra)
 
 
+def _echo_prompt(b):
+    """The prompt, what the model says after it (48 tokens, slot 0), and the prompt again: what the model says
+    next is then mostly in its context, so drafts get accepted."""
+    said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
+    return PROMPT + said + PROMPT
+
+
 def _run(b, cmd, n):
     dbg = cp.zeros((n, b.cfg.vocab_size), cp.float32)
     r = b.run(cmd, ignore_eos=True, dbg_logits=dbg)
@@ -98,9 +105,7 @@ def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name):
     over, dt = MODELS[name]
     b = _backend(models[name], dt)
     try:
-        # the prompt, what the model says after it, and the prompt again: what it says next is mostly there
-        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
-        prompt = PROMPT + said + PROMPT
+        prompt = _echo_prompt(b)
         plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
         spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
     finally:
@@ -175,8 +180,7 @@ def test_device_drafting_follows_the_cpu_rule(models):
     name, n, k = "hd64_h9kv3_tied_bias", 96, 8
     b = _backend(models[name], "F32")
     try:
-        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
-        prompt = PROMPT + said + PROMPT
+        prompt = _echo_prompt(b)
         plain = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=n + 16), ignore_eos=True).token_ids
         spec = b.run(RunCommand(slot=1, append=prompt, max_new_tokens=n, speculative=k), ignore_eos=True)
         sp_max = b.spec_max
@@ -208,8 +212,7 @@ def test_speculative_cache_equals_the_plain_cache(models):
     name = "hd64_slide_all"
     b = _backend(models[name], "F32")
     try:
-        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
-        prompt = PROMPT + said + PROMPT
+        prompt = _echo_prompt(b)
         plain = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=80), ignore_eos=True)
         spec = b.run(RunCommand(slot=1, append=prompt, max_new_tokens=80, speculative=8), ignore_eos=True)
         assert spec.token_ids == plain.token_ids and spec.cached == plain.cached
@@ -229,8 +232,7 @@ def test_out_of_line_phases_give_the_same_bits(models):
     over, dt = MODELS[name]
     b = _backend(models[name], dt, {"CFG_SPEC_NOINL": 1})
     try:
-        said = b.run(RunCommand(slot=0, append=PROMPT, max_new_tokens=48), ignore_eos=True).token_ids
-        prompt = PROMPT + said + PROMPT
+        prompt = _echo_prompt(b)
         plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
         spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
     finally:

@@ -166,19 +166,9 @@ class CudaBackend(Backend):
         self.rope = rope_table(cfg, self.max_seq)
         rc = self.rcfg                    # the shapes this rank computes (all lanes with one rank)
         self.prefill = Prefill(rc, weights, self.k, prefill_chunk, self.rope, self.comm, self.max_seq)
-        L, D, N, V, H, KV, hd = (rc.num_lanes, rc.hidden_size, rc.num_hidden_layers, rc.vocab_size,
-                                 rc.num_attention_heads, rc.kv_heads, rc.head_dim)
         f32 = cp.float32
-        self.buf = {
-            "q": cp.empty(H * hd, f32),
-            "attp": cp.empty(KV * self.k.nch * (H // KV) * (hd + 2), f32),
-            "hid": cp.empty(rc.intermediate_size, f32),
-            "part": cp.empty(N * 2 * L * D, f32),
-            "hres": cp.empty((2 * N + 1) * L * D, f32),
-            "logits": cp.empty(V, f32),
-            "cand_v": cp.empty(self.nblocks, f32),
-            "cand_i": cp.empty(self.nblocks, cp.int32),
-        }
+        self.buf = self._step_buffers(1, self.k.nch)
+        self.buf["part"] = cp.empty(rc.num_hidden_layers * 2 * rc.num_lanes * rc.hidden_size, f32)
         if self.nranks > 1:
             self.buf["yfin"] = cp.zeros(self.k.fin_floats, f32)
         self.ctr = cp.zeros(self.k.nctr, cp.uint64)
@@ -281,6 +271,22 @@ class CudaBackend(Backend):
     hang_s = 20.0
     cooperative = None
 
+    def _step_buffers(self, P: int, nch: int) -> dict:
+        """The decode step's scratch (mk_layout.cuh Params q .. cand_i), a row for each of P positions: the
+        plain kernel's with P = 1, the speculative build's with P = spec_max (its hres one lane's)."""
+        cp, rc, f32 = self.cp, self.rcfg, self.cp.float32
+        L, D, N, V, H, KV, hd = (rc.num_lanes, rc.hidden_size, rc.num_hidden_layers, rc.vocab_size,
+                                 rc.num_attention_heads, rc.kv_heads, rc.head_dim)
+        return {
+            "q": cp.empty(P * H * hd, f32),
+            "attp": cp.empty(P * KV * nch * (H // KV) * (hd + 2), f32),
+            "hid": cp.empty(P * rc.intermediate_size, f32),
+            "hres": cp.empty(P * (2 * N + 1) * L * D, f32),
+            "logits": cp.empty(V, f32),
+            "cand_v": cp.empty(P * self.nblocks, f32),
+            "cand_i": cp.empty(P * self.nblocks, cp.int32),
+        }
+
     def prepare_speculative(self) -> None:
         """Compile the speculative build now (a server whose requests speculate by default), not at the
         first such request; nothing for models without verify passes (several lanes or ranks)."""
@@ -296,23 +302,14 @@ class CudaBackend(Backend):
             marks = str(self.k.defines.get("CFG_MARKS", 0)) == "1"
             self.ks = build(self.cfg, dtype, self.nblocks, prefetch, progress=progress, extra=extra, spec=self.spec_max,
                             marks=marks)
-            cp, rc, P = self.cp, self.rcfg, self.spec_max
-            D, N, V, H, KV, hd = (rc.hidden_size, rc.num_hidden_layers, rc.vocab_size, rc.num_attention_heads,
-                                  rc.kv_heads, rc.head_dim)
-            f32 = cp.float32
-            self.sbuf = {
-                "q": cp.empty(P * H * hd, f32),
-                "attp": cp.empty(P * KV * self.ks.nch * (H // KV) * (hd + 2), f32),
-                "hid": cp.empty(P * rc.intermediate_size, f32),
+            cp, P, V = self.cp, self.spec_max, self.rcfg.vocab_size
+            self.sbuf = self._step_buffers(P, self.ks.nch)
+            self.sbuf.update({
                 "part": self.buf["part"],
-                "hres": cp.empty(P * (2 * N + 1) * D, f32),
-                "logits": cp.empty(V, f32),
-                "cand_v": cp.empty(P * self.nblocks, f32),
-                "cand_i": cp.empty(P * self.nblocks, cp.int32),
-                "spec_logits": cp.empty(P * V, f32),
+                "spec_logits": cp.empty(P * V, cp.float32),
                 "spec": cp.zeros(SPEC_WORDS, cp.int32),   # (+ the attention tickets, zero between passes)
                 "ctx": cp.zeros(self.max_seq + 16, cp.int32),
-            }
+            })
         return self.ks, self.sbuf
 
     _spec_on = False
