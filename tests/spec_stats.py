@@ -6,10 +6,12 @@ run; whether it can fail is checked by the same counts against a distribution a 
 temperature), which must exceed the bound."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
-from kog_dist.sampling import filtered_distribution
+from kog_dist.backend import RunCommand
+from kog_dist.sampling import SamplingParams, filtered_distribution
 
 Z_1E4 = 3.719              # the standard normal's upper 1e-4 quantile
 
@@ -72,3 +74,37 @@ def assert_departs(samples, probs, what: str) -> None:
     stat, df = chi_square(samples, probs)
     assert stat > chi_square_bound(df), f"{what}: the test cannot tell a wrong distribution ({stat:.1f}, {df} df)"
 
+
+
+def draws_after_echo(b, prompt, params: SamplingParams, n: int, k: int = 8):
+    """The first three tokens a backend samples after prompt + what it says after the prompt (12 greedy tokens)
+    + the prompt again (the lookups then draft what followed the prompt): with speculation (up to k drafts) on
+    seeds 0..n-1 and without on seeds n..2n-1, from one cached context in slot 1. Returns (context, speculative
+    samples, plain samples, drafted, accepted)."""
+    said = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=12), ignore_eos=True).token_ids
+    ctx = list(prompt) + said + list(prompt)
+    b.run(RunCommand(slot=1, append=ctx, max_new_tokens=0))
+
+    def draws(seeds, k):
+        out, drafted, accepted = [], 0, 0
+        for s in seeds:
+            r = b.run(RunCommand(slot=1, keep=len(ctx) - 1, append=ctx[-1:], max_new_tokens=3, speculative=k,
+                                 sampling=dataclasses.replace(params, seed=s)), ignore_eos=True)
+            out.append(tuple(r.token_ids))
+            drafted, accepted = drafted + r.spec_drafted, accepted + r.spec_accepted
+        return out, drafted, accepted
+
+    spec, drafted, accepted = draws(range(n), k)
+    plain, _, _ = draws(range(n, 2 * n), 0)
+    return ctx, spec, plain, drafted, accepted
+
+
+def assert_sampler_follows(engine, ctx, params: SamplingParams, spec, plain, drafted: int, accepted: int) -> None:
+    """Drafts were accepted and rejected; both samples follow the exact distribution after ctx (engine: a
+    ReferenceEngine of the model); the speculative one departs from 1.15 times the temperature's."""
+    probs = exact_sequences(engine, ctx, params, 3)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert_follows(spec, probs, "speculative")
+    assert_follows(plain, probs, "plain")
+    off = dataclasses.replace(params, temperature=params.temperature * 1.15)
+    assert_departs(spec, exact_sequences(engine, ctx, off, 3), "T x 1.15")

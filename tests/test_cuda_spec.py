@@ -246,34 +246,14 @@ def test_sampled_tokens_follow_the_model_distribution(models):
     drafts (temperature 0.6, top-p 0.98) follow the model's exact distribution (plain numpy forwards,
     chi-square at p = 1e-4; tests/spec_stats.py), as the plain kernel's do over other seeds; the same counts
     against 1.15 times the temperature are told apart. Drafts were accepted and rejected."""
-    from spec_stats import assert_departs, assert_follows, exact_sequences
-    name, n, sp = "hd64_h9kv3_tied_bias", 2000, dict(temperature=0.6, top_p=0.98)
-    # chosen among random prompts (seed 0) for the check's power: after the echo below the model says what
-    # it said the first time with probability 0.70 (then the lookup drafts), the two drafts next with 0.35, 0.47
-    prompt = [211, 227, 244, 488, 102, 257, 28, 219]
+    from spec_stats import assert_sampler_follows, draws_after_echo
+    name, sp = "hd64_h9kv3_tied_bias", SamplingParams(temperature=0.6, top_p=0.98)
+    # chosen among random prompts (seed 0) for the check's power: after the echo the model says what it said
+    # the first time with probability 0.70 (then the lookup drafts), the two drafts next with 0.35, 0.47
     b = _backend(models[name], "F32")
     try:
-        said = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=12), ignore_eos=True).token_ids
-        ctx = prompt + said + prompt
-        b.run(RunCommand(slot=1, append=ctx, max_new_tokens=0))
-
-        def draws(seeds, k):
-            out, drafted, accepted = [], 0, 0
-            for s in seeds:
-                r = b.run(RunCommand(slot=1, keep=len(ctx) - 1, append=ctx[-1:], max_new_tokens=3, speculative=k,
-                                     sampling=SamplingParams(seed=s, **sp)), ignore_eos=True)
-                out.append(tuple(r.token_ids))
-                drafted, accepted = drafted + r.spec_drafted, accepted + r.spec_accepted
-            return out, drafted, accepted
-
-        spec, drafted, accepted = draws(range(n), 8)
-        plain, _, _ = draws(range(n, 2 * n), 0)
+        ctx, spec, plain, drafted, accepted = draws_after_echo(b, [211, 227, 244, 488, 102, 257, 28, 219], sp, 2000)
     finally:
         b.close()
     m = Model(models[name], progress=False)
-    e = ReferenceEngine(m.cfg, m.weights, m.embed)
-    probs = exact_sequences(e, ctx, SamplingParams(**sp), 3)
-    assert 0 < accepted < drafted, (accepted, drafted)
-    assert_follows(spec, probs, "speculative")
-    assert_follows(plain, probs, "plain")
-    assert_departs(spec, exact_sequences(e, ctx, SamplingParams(temperature=0.6 * 1.15, top_p=0.98), 3), "T x 1.15")
+    assert_sampler_follows(ReferenceEngine(m.cfg, m.weights, m.embed), ctx, sp, spec, plain, drafted, accepted)

@@ -258,30 +258,9 @@ def test_sampled_tokens_follow_the_model_distribution(model):
     (temperature 1, top-p 0.98) follow the model's exact distribution (plain numpy forwards, chi-square at
     p = 1e-4), as the plain sampler's do over other seeds; the same counts against a distribution a little off
     (1.15 times the temperature) are told apart, so the check can fail. Drafts were accepted and rejected."""
-    from spec_stats import assert_departs, assert_follows, exact_sequences
-    b = backend(model)
-    # chosen among random prompts (seed 0) for the check's power: after the echo below the model says what it
-    # said the first time with probability 0.70 (then the lookup drafts), and the two drafts next with 0.50, 0.45
-    prompt = [36, 13, 20, 24, 9, 8, 20, 3]
-    said = b.run(RunCommand(slot=0, append=prompt, max_new_tokens=12), ignore_eos=True).token_ids
-    ctx = prompt + said + prompt             # what follows the prompt is in the context: lookups draft it
-    b.run(RunCommand(slot=1, append=ctx, max_new_tokens=0))
-    n, T, top_p = 2500, 1.0, 0.98
-
-    def draws(seeds, k):
-        out, drafted, accepted = [], 0, 0
-        for s in seeds:
-            r = b.run(RunCommand(slot=1, keep=len(ctx) - 1, append=ctx[-1:], max_new_tokens=3, speculative=k,
-                                 sampling=SamplingParams(temperature=T, top_p=top_p, seed=s)), ignore_eos=True)
-            out.append(tuple(r.token_ids))
-            drafted, accepted = drafted + r.spec_drafted, accepted + r.spec_accepted
-        return out, drafted, accepted
-
-    spec, drafted, accepted = draws(range(n), 8)
-    plain, _, _ = draws(range(n, 2 * n), 0)
-    e = engine(model)
-    probs = exact_sequences(e, ctx, SamplingParams(temperature=T, top_p=top_p), 3)
-    assert 0 < accepted < drafted, (accepted, drafted)
-    assert_follows(spec, probs, "speculative")
-    assert_follows(plain, probs, "plain")
-    assert_departs(spec, exact_sequences(e, ctx, SamplingParams(temperature=T * 1.15, top_p=top_p), 3), "T x 1.15")
+    from spec_stats import assert_sampler_follows, draws_after_echo
+    # chosen among random prompts (seed 0) for the check's power: after the echo the model says what it said
+    # the first time with probability 0.70 (then the lookup drafts), and the two drafts next with 0.50, 0.45
+    sp = SamplingParams(temperature=1.0, top_p=0.98)
+    ctx, spec, plain, drafted, accepted = draws_after_echo(backend(model), [36, 13, 20, 24, 9, 8, 20, 3], sp, 2500)
+    assert_sampler_follows(engine(model), ctx, sp, spec, plain, drafted, accepted)
