@@ -59,18 +59,18 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     before, so a phase must keep every warp busy: one-row units in W2 (CFG_NR_W2; 2 for several lanes) and
     one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
     into shared memory before each wait (CFG_PFS, where a block's share of a layer is at most 128 KB; not for
-    larger layers, which stream: there the copy was slower). Quantized layer matrices: no copy (SmolLM2 in
-    Q4_1 with it 1470 against 1641 tokens/s without: its build spills, bench/kernel_resources.py); where a
-    block's share of a layer is at most 128 KB of quants and scales, 384 threads a block (168 registers a
-    thread instead of 128, fewer spills: SmolLM2 Q4_1 +3.0%, Qwen2.5-0.5B Q4_0 +4.8%; Llama-3.2-1B Q4_0,
-    whose blocks stream 253 KB, -2.4%: kept at 512). The runs of each choice: BENCHMARKS.md "Results of
-    2026-12-02" and "Quantized one-lane builds"."""
+    larger layers, which stream: there the copy was slower). Quantized layer matrices: where a block's share
+    of a layer is at most 128 KB of quants and scales, 384 threads a block (168 registers a thread instead of
+    128, fewer spills: SmolLM2 Q4_1 +3.0%, Qwen2.5-0.5B Q4_0 +4.8%; Llama-3.2-1B Q4_0, whose blocks stream
+    253 KB, -2.4%: kept at 512) and the copy too, read by one loop over generic pointers (mk_helpers.cuh
+    wdotq_unit; Qwen2.5-0.5B Q4_0 +1.4%, SmolLM2 Q4_1 neutral; with two loops it spilled and lost 10%). The
+    runs of each choice: BENCHMARKS.md "Results of 2026-12-02", "Quantized one-lane builds", "2026-12-03"."""
     from .weights import layer_elems, matrix_bytes
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
     if matrix_bytes(layer_elems(cfg), qtype or base) / nblocks <= 128 * 1024:
-        out["CFG_NT" if qtype else "CFG_PFS"] = 384 if qtype else 65536
+        out.update({"CFG_NT": 384, "CFG_PFS": 65536} if qtype else {"CFG_PFS": 65536})
     return out
 
 

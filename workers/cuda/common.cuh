@@ -175,6 +175,8 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* x) {
 __device__ __forceinline__ float qbyte(u32 v, int k, float magic) {
   return __int_as_float(__byte_perm(v, 0x4B00u, 0x5440u + (u32)k)) - magic;
 }
+// CFG_QOFS's nibble: byte k of t (q * 8, q < 16) under the exponent of 0.5: the float (16 + q) / 32
+__device__ __forceinline__ float qhalf(u32 t, int k) { return __int_as_float(__byte_perm(t, 0x3F00u, 0x5044u + ((u32)k << 8))); }
 __device__ __forceinline__ float hbits2f(u32 bits16) { return h2f((u16)bits16); }
 
 // ---- memory ------------------------------------------------------------------------------------

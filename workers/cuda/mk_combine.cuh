@@ -85,7 +85,10 @@ __device__ __forceinline__ void combine_rows(const Params& p, float* sm, long lo
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL, r0 = (u % UPL) * NR;
     float acc[NR];
-    if (u - ua < nbuf)
+    if constexpr (QCOPY)
+      wdotq_unit<NR, K, UE, UB>(p, sm, E + (long long)ua * UE, nbuf, u - ua, E + ((long long)l * D + r0) * K, NR,
+                                sm + (l - l0) * K, acc);
+    else if (u - ua < nbuf)
       wdot_buf<NR, K, UE>(sm, E + (long long)ua * UE, nbuf, u - ua, NR, sm + (l - l0) * K, acc);
     else
       wdot<NR, K, UB>(p, E + ((long long)l * D + r0) * K, NR, sm + (l - l0) * K, acc);

@@ -37,8 +37,34 @@ __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
 // (planes xp): the integers' dot, then times d (plus m times the sum of x for Q4_1)
 // at most this many 16-byte loads of quants in flight a lane (24 measured neutral: BENCHMARKS.md)
 constexpr int QUB = 8;
+// CFG_QOFS 1 (Q4_*): a nibble q becomes the float (16 + q) / 32 in one permute of (q << 3) under the exponent
+// of 0.5, no subtraction: the chunk's dot is 32 S - 16 sx (sx: the sum of the chunk's x, once a chunk for
+// all rows of a warp), 2 instructions a weight instead of 3 (permute, subtract, FMA). Its fp32 rounding
+// is ~7x the exact values' (5e-7 of a chunk's dot, against 7e-8): far inside the numpy engine's ids.
+#ifndef CFG_QOFS
+#define CFG_QOFS 1
+#endif
+constexpr bool QOFS = CFG_QOFS && QW >= 2;
+static_assert(!QOFS || QCW == 32, "the offset form reads Q4 chunks of 32 weights");
+// the sum of chunk c's QCW inputs (planes xp), the offset form's correction (0 where unused)
 template <int K>
-__device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c) {
+__device__ __forceinline__ float chunk_xsum(const float* xs, int c) {
+  if constexpr (!QOFS) {
+    return 0.f;
+  } else {
+    constexpr int NC = K / QCW;
+    float s[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
+      const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
+      s[q] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+    }
+    return (s[0] + s[1]) + (s[2] + s[3]);
+  }
+}
+template <int K>
+__device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c, float sxc) {
   constexpr int NC = K / QCW;
   const u32 v[4] = {w.x, w.y, w.z, w.w};
   float t[4], sx = 0.f;   // one chain a word: 8 (Q4) or 4 (Q8) dependent FMAs instead of 32 or 16
@@ -52,6 +78,23 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
       s = fmaf(qbyte(u, 2, 8388736.f), a.z, s); s = fmaf(qbyte(u, 3, 8388736.f), a.w, s);
       t[q] = s;
     }
+  } else if (QOFS) {   // Q4_*, offset form: bytes q * 8 (low nibbles: v << 3, high: v >> 1, masked 0x78)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const u32 lo = (v[q] << 3) & 0x78787878u, hi = (v[q] >> 1) & 0x78787878u;
+      const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
+      const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
+      float s = fmaf(qhalf(lo, 0), a.x, 0.f);
+      s = fmaf(qhalf(lo, 1), a.y, s);
+      s = fmaf(qhalf(lo, 2), a.z, s); s = fmaf(qhalf(lo, 3), a.w, s);
+      s = fmaf(qhalf(hi, 0), b.x, s); s = fmaf(qhalf(hi, 1), b.y, s);
+      s = fmaf(qhalf(hi, 2), b.z, s); s = fmaf(qhalf(hi, 3), b.w, s);
+      t[q] = s;
+    }
+    const float s = (t[0] + t[1]) + (t[2] + t[3]);
+    const float d = hbits2f(sc & 0xffffu);
+    if (QW == 2) return d * fmaf(s, 32.f, -24.f * sxc);                      // sum (q - 8) x = 32 S - 24 sx
+    return fmaf(d, fmaf(s, 32.f, -16.f * sxc), hbits2f(sc >> 16) * sxc);    // d sum q x + m sx
   } else {         // Q4_*: word q's low nibbles are elements 4q.., its high nibbles elements 16 + 4q..
     constexpr float MG = QW == 2 ? 8388616.f : 8388608.f;   // Q4_0: q - 8; Q4_1: q
 #pragma unroll
@@ -188,12 +231,14 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
         }
       }
 #pragma unroll
-    for (int u = 0; u < UB; ++u)      // chunk by chunk: one chunk's 16-32 inputs live, shared by the rows
+    for (int u = 0; u < UB; ++u) {    // chunk by chunk: one chunk's 16-32 inputs live, shared by the rows
+      const int c = (b0 + u) * 32 + lane;
+      if (b0 + u < CPL && c < NCHK) {
+        const float sxc = chunk_xsum<K>(xs, c);
 #pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const int c = (b0 + u) * 32 + lane;
-        if (b0 + u < CPL && c < NCHK) acc[r] += dotq<K>(wv[r][u], sc[r][u], xs, c);
+        for (int r = 0; r < NR; ++r) acc[r] += dotq<K>(wv[r][u], sc[r][u], xs, c, sxc);
       }
+    }
   }
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
@@ -256,6 +301,21 @@ __device__ __forceinline__ void wdot_buf(const float* sm, long long e0, int nbuf
     const unsigned char* sb = qb + (long long)nbuf * (UE * QBITS / 8) + ((e0 / 32 * QSB) & 15);
     warp_dotq<NR, K, 1, true>(qb, sb, (long long)k * UE, nvalid, xs, out);
   }
+}
+
+// Quantized builds with a shared-memory copy (CFG_PFS): NR rows of the phase's unit k from the block's copy
+// (k < nbuf units from element E0) or from the matrix (element eg) in ONE dequantizing loop over generic
+// pointers chosen per unit: two inlined forms of it (wdot_buf, wdot) made the SmolLM2 Q4_1 build spill 312 /
+// 700 bytes and run slower than without the copy. The other builds keep their two loops (the measured kernels).
+constexpr bool QCOPY = QW != 0 && PFS != 0;
+template <int NR, int K, int UE, int UB = CFG_UBMAX>
+__device__ __forceinline__ void wdotq_unit(const Params& p, const float* sm, long long E0, int nbuf, int k, long long eg,
+                                           int nvalid, const float* xs, float* out) {
+  const unsigned char* cq = reinterpret_cast<const unsigned char*>(sm + WBUF_OFF);
+  const bool in = k < nbuf;
+  const unsigned char* qb = in ? cq : reinterpret_cast<const unsigned char*>(p.w);
+  const void* sb = in ? (const void*)(cq + (long long)nbuf * (UE * QBITS / 8) + ((E0 / 32 * QSB) & 15)) : p.ws;
+  warp_dotq<NR, K, (UB < QUB ? UB : QUB), true>(qb, sb, in ? (long long)k * UE : eg, nvalid, xs, out);
 }
 
 // The prologue of the layer phases QKV, WO, W13 and W2: the entry mark, the block's units [ua, ub) of the

@@ -53,7 +53,9 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
     float2 cs = make_float2(1.f, 0.f);
     if (lane == 0 && region < 2) cs = p.rope[(long long)t * (HD / 2) + dd / 2];
     float acc[2];
-    if (u - ua < nbuf) wdot_buf<2, D, UE_QKV>(sm, E + (long long)ua * UE_QKV, nbuf, u - ua, 2, sm + (l - l0) * D, acc);
+    if constexpr (QCOPY) wdotq_unit<2, D, UE_QKV, CFG_UB_QKV>(p, sm, E + (long long)ua * UE_QKV, nbuf, u - ua,
+                                                         E + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
+    else if (u - ua < nbuf) wdot_buf<2, D, UE_QKV>(sm, E + (long long)ua * UE_QKV, nbuf, u - ua, 2, sm + (l - l0) * D, acc);
     else wdot<2, D, CFG_UB_QKV>(p, E + ((long long)l * RQKV + row) * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) {
       float x0 = acc[0], x1 = acc[1];

@@ -106,14 +106,18 @@ __device__ __forceinline__ void warp_dotq_p(const unsigned char* __restrict__ qb
         }
       }
 #pragma unroll
-    for (int u = 0; u < UB; ++u)
+    for (int u = 0; u < UB; ++u) {
+      const int c = (b0 + u) * 32 + lane;
+      if (b0 + u < CPL && c < NCHK) {
+        float sxc[P];
 #pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const int c = (b0 + u) * 32 + lane;
-        if (b0 + u < CPL && c < NCHK)
+        for (int j = 0; j < P; ++j) sxc[j] = chunk_xsum<K>(xs + j * KMAX, c);
 #pragma unroll
-          for (int j = 0; j < P; ++j) acc[j][r] += dotq<K>(wv[r][u], sc[r][u], xs + j * KMAX, c);
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+          for (int j = 0; j < P; ++j) acc[j][r] += dotq<K>(wv[r][u], sc[r][u], xs + j * KMAX, c, sxc[j]);
       }
+    }
   }
 #pragma unroll
   for (int j = 0; j < P; ++j)

@@ -27,7 +27,9 @@ __device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   for (int u = ua + warp; u < ub; u = next_unit(u, ua, &unit_q)) {
     const int l = u / UPL_W13, j = u % UPL_W13;
     float acc[2];
-    if (u - ua < nbuf) wdot_buf<2, D, UE_W13>(sm, E + (long long)ua * UE_W13, nbuf, u - ua, 2, sm + (l - l0) * D, acc);
+    if constexpr (QCOPY) wdotq_unit<2, D, UE_W13>(p, sm, E + (long long)ua * UE_W13, nbuf, u - ua,
+                                                  E + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
+    else if (u - ua < nbuf) wdot_buf<2, D, UE_W13>(sm, E + (long long)ua * UE_W13, nbuf, u - ua, 2, sm + (l - l0) * D, acc);
     else wdot<2, D>(p, E + ((long long)l * FL + j) * 2 * D, 2, sm + (l - l0) * D, acc);
     if (lane == 0) p.hid[(long long)l * FL + j] = acc[0] / (1.0f + expf(-acc[0])) * acc[1];
   }
