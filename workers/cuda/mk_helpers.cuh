@@ -288,19 +288,12 @@ __device__ __forceinline__ int wbuf_fill_w(const Params& p, float* sm, long long
     return nb;
   }
 }
-// NR rows of unit k (ue elements) of that copy (nbuf units from element e0), as wdot
+// NR rows of unit k (ue elements) of that copy (nbuf units from element e0), as wdot, in the storage type
+// (quantized builds with a copy read it through wdotq_unit; without one, nbuf is 0 and this is never called)
 template <int NR, int K, int UE>
 __device__ __forceinline__ void wdot_buf(const float* sm, long long e0, int nbuf, int k, int nvalid,
                                          const float* xs, float* out) {
-  // (quantized without a copy, CFG_PFS 0: never called, nbuf is 0; the plain form keeps the kernels the GPU
-  // measured, bench/ptx_identity.py)
-  if constexpr (QW == 0 || PFS == 0) {
-    warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)k * UE, nvalid, xs, out);
-  } else {
-    const unsigned char* qb = reinterpret_cast<const unsigned char*>(sm + WBUF_OFF);
-    const unsigned char* sb = qb + (long long)nbuf * (UE * QBITS / 8) + ((e0 / 32 * QSB) & 15);
-    warp_dotq<NR, K, 1, true>(qb, sb, (long long)k * UE, nvalid, xs, out);
-  }
+  warp_dot<NR, K, true>((const wt*)(sm + WBUF_OFF) + (long long)k * UE, nvalid, xs, out);
 }
 
 // Quantized builds with a shared-memory copy (CFG_PFS): NR rows of the phase's unit k from the block's copy
