@@ -70,7 +70,9 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
     if matrix_bytes(layer_elems(cfg), qtype or base) / nblocks <= 128 * 1024:
-        out.update({"CFG_NT": 384, "CFG_PFS": 65536} if qtype else {"CFG_PFS": 65536})
+        out["CFG_PFS"] = 65536
+        if qtype:
+            out["CFG_NT"] = 384
     return out
 
 
