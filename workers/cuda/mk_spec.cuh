@@ -27,7 +27,7 @@ static_assert(L == 1 && KOG_NRANKS == 1, "speculative verify passes: one-lane mo
 constexpr int SP = CFG_SPEC;                                 // positions a pass at most
 constexpr int KMAX = cmax(cmax(D, HDL), FL);                 // a position's input plane (floats)
 constexpr int S_CB = cmax(SP * KMAX, SM_ATT);                // [SP][CB_ROWS] residual bases of the block's rows
-constexpr int S_RED = S_CB + SP * CB_ROWS;                   // [NW][SP] norm sums
+constexpr int S_RED = S_CB + SP * CB_ROWS;                   // [NW][SP] norm sums, then [SP] 1 / rms
 constexpr int SPEC_FLOATS = cmax(S_RED + NW * SP + 32, SM_FLOATS);   // (a pass of one runs the plain phases)
 static_assert(SPEC_FLOATS * 4 <= 225 * 1024, "shared memory: fewer speculative positions (CFG_SPEC)");
 constexpr long long S_ATT = (long long)KV * NCH * G * ATTP;  // a position's attention partials
@@ -43,56 +43,70 @@ __device__ __forceinline__ float s_hbase(const Params& p, int s, int j, int d, c
 #include "mk_spec_rows.cuh"
 
 // ---- the norms of np residuals at version s (stage_norms' arithmetic, one block reduction for all) -----
-// (every position's loads in flight at once: one L2 round trip, not one a position)
-__device__ void spec_norms(const Params& p, float* sm, int s, int np, const int* ids, const float* g) {
+// (every position's loads in flight at once: one L2 round trip, not one a position; the positions' warp sums
+// interleaved; thread j sums position j's warp totals in stage_norms' order and shares its 1 / rms, instead of
+// every thread summing every position's one after another)
+template <int P>
+__device__ void spec_norms_p(const Params& p, float* sm, int s, int np, const int* ids, const float* g) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* red = sm + S_RED;
+  float* inv = red + NW * SP;        // [SP] each position's 1 / rms
   __syncthreads();   // the waiter's wait for the residual
-  float v[SP][DPT];
+  float v[P][DPT];
 #pragma unroll
-  for (int j = 0; j < SP; ++j)
+  for (int j = 0; j < P; ++j)
 #pragma unroll
     for (int e = 0; e < DPT; ++e) {
       const int d = threadIdx.x + e * NT;
       v[j][e] = (j < np && d < D) ? s_hbase(p, s, j, d, ids) : 0.f;
     }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < SP; ++j) {
-    if (j >= np) break;
-    float ss = 0.f;
-#pragma unroll
-    for (int e = 0; e < DPT; ++e) {
-      const int d = threadIdx.x + e * NT;
-      if (d < D) { sm[j * KMAX + xp(d, D)] = v[j][e]; ss += v[j][e] * v[j][e]; }
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp * SP + j] = ss;
-  }
-  __syncthreads();
   float gv[DPT];
 #pragma unroll
   for (int e = 0; e < DPT; ++e) {
     const int d = threadIdx.x + e * NT;
     gv[e] = d < D ? __ldg(g + d) : 0.f;
   }
-#pragma unroll 1
-  for (int j = 0; j < np; ++j) {
+  float ss[P];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    ss[j] = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPT; ++e)
+      if (threadIdx.x + e * NT < D) ss[j] += v[j][e] * v[j][e];
+  }
+#pragma unroll
+  for (int j = 0; j < P; ++j) ss[j] = warp_sum(ss[j]);
+  __syncthreads();   // the previous user of red and of the planes is done
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < P; ++j)
+      if (j < np) red[warp * SP + j] = ss[j];
+  __syncthreads();
+  if (threadIdx.x < np) {
     float tot = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) tot += red[w * SP + j];
-    const float inv = 1.0f / sqrtf(tot / (float)D + EPS);
-    float* x = sm + j * KMAX;
+    for (int w = 0; w < NW; ++w) tot += red[w * SP + threadIdx.x];
+    inv[threadIdx.x] = 1.0f / sqrtf(tot / (float)D + EPS);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    if (j >= np) break;
+    const float r = inv[j];
 #pragma unroll
     for (int e = 0; e < DPT; ++e) {
       const int d = threadIdx.x + e * NT;
-      if (d < D) {
-        const float v = x[xp(d, D)];
-        x[xp(d, D)] = (v * inv) * gv[e];
-      }
+      if (d < D) sm[j * KMAX + xp(d, D)] = (v[j][e] * r) * gv[e];
     }
   }
   __syncthreads();
+}
+// a pass's positions rounded up as the row loops' (psize): a pass of two does two warp sums, not SP
+__device__ void spec_norms(const Params& p, float* sm, int s, int np, const int* ids, const float* g) {
+  const int ps = psize(np);
+  if (ps <= PS2) spec_norms_p<PS2>(p, sm, s, np, ids, g);
+  else if (ps <= PS4) spec_norms_p<PS4>(p, sm, s, np, ids, g);
+  else spec_norms_p<SP>(p, sm, s, np, ids, g);
 }
 
 // ---- QKV: attention norm, q/k/v rows, RoPE at each position, KV append at t + j ----------------------

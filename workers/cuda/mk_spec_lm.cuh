@@ -83,6 +83,7 @@ __shared__ int s_ctl[8];   // np, t, then the last block's: given, reason, draft
 __device__ void spec_final_norms(const Params& p, float* sm, int np) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* red = sm + S_RED;
+  float* inv = red + NW * SP;        // (as spec_norms)
   float v[SP][DPT];
 #pragma unroll
   for (int j = 0; j < SP; ++j)
@@ -91,29 +92,43 @@ __device__ void spec_final_norms(const Params& p, float* sm, int np) {
       const int d = threadIdx.x + e * NT;
       v[j][e] = (j < np && d < D) ? ldf(s_hres(p, j, 2 * NL) + d) : 0.f;
     }
-  __syncthreads();
+  float gv[DPT];
+#pragma unroll
+  for (int e = 0; e < DPT; ++e) {
+    const int d = threadIdx.x + e * NT;
+    gv[e] = d < D ? __ldg(p.fnorm + d) : 0.f;
+  }
+  float ss[SP];
 #pragma unroll
   for (int j = 0; j < SP; ++j) {
-    if (j >= np) break;
-    float ss = 0.f;
+    ss[j] = 0.f;
 #pragma unroll
-    for (int e = 0; e < DPT; ++e) ss += v[j][e] * v[j][e];
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp * SP + j] = ss;
+    for (int e = 0; e < DPT; ++e) ss[j] += v[j][e] * v[j][e];
+  }
+#pragma unroll
+  for (int j = 0; j < SP; ++j) ss[j] = warp_sum(ss[j]);
+  __syncthreads();
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < SP; ++j)
+      if (j < np) red[warp * SP + j] = ss[j];
+  __syncthreads();
+  if (threadIdx.x < np) {
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) tot += red[w * SP + threadIdx.x];
+    inv[threadIdx.x] = 1.0f / sqrtf(tot / (float)D + EPS);
   }
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < SP; ++j) {
     if (j >= np) break;
-    float tot = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) tot += red[w * SP + j];
-    const float inv = 1.0f / sqrtf(tot / (float)D + EPS);
+    const float r = inv[j];
 #pragma unroll
     for (int e = 0; e < DPT; ++e) {
       const int d = threadIdx.x + e * NT;
       if (d < D) {
-        const float t = (v[j][e] * inv) * __ldg(p.fnorm + d);
+        const float t = (v[j][e] * r) * gv[e];
         sm[j * KMAX + xpv(d, D)] = t / (float)L;
       }
     }
