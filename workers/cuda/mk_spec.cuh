@@ -12,8 +12,8 @@ static_assert(L == 1 && KOG_NRANKS == 1, "speculative verify passes: one-lane mo
 // CFG_SPEC_NOINL 1: the pass's phases out of line (reading Params from the shared copy, as phase_att does), so
 // that the plain phases a pass of one runs keep the plain build's registers (with them inline the kernel's
 // spills grow several-fold and a Llama-3.2-1B pass of one costs 1.36 plain tokens). Llama-3.2-1B shape,
-// 2026-12-03, one run: passes of 1 / 2 / 6 at 1.39 / 1.50 / 2.48x against 1.37 / 1.71 / 2.63x inline; SmolLM2
-// not measured with it yet, so still a knob (BENCHMARKS.md, "Results of 2026-12-03").
+// 2026-12-03, one run: passes of 1 / 2 / 6 at 1.39 / 1.50 / 2.48x against 1.37 / 1.71 / 2.63x inline; SmolLM2,
+// 2026-12-04: 13-22% dearer out of line at every size, so a knob, off (BENCHMARKS.md, "Results of 2026-12-04").
 #ifndef CFG_SPEC_NOINL
 #define CFG_SPEC_NOINL 0
 #endif
