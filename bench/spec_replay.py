@@ -47,7 +47,7 @@ def greedy_ids(model, tasks, new_tokens):
 
 
 def replay(prompt, gen, cost, min_ngram, first, max_new, k=8):
-    """(speedup over plain decode, tokens a pass that checked a draft, accepted, drafted)."""
+    """(speedup over plain decode, passes that checked a draft, drafts accepted, draft tokens)."""
     policy = AdaptiveDraft(k, start=first)
     m, total, steps, drafted, accepted, draft = 1, 0.0, 0, 0, 0, []
     while m < len(gen):                      # a pass feeds gen[m - 1] and the draft
@@ -64,7 +64,7 @@ def replay(prompt, gen, cost, min_ngram, first, max_new, k=8):
             size = min(policy.size(), max_new - m - 1)   # the device knows max_tokens, not where EOS falls
             if size > 0:
                 draft = lookup(prompt + gen[:m], size, 4, min_ngram)
-    return (len(gen) - 1) / total, (accepted + steps) / max(1, steps), accepted, drafted
+    return (len(gen) - 1) / total, steps, accepted, drafted
 
 
 def bound(prompt, gen, cost, any_match):
@@ -103,7 +103,7 @@ def main() -> int:
     for pol in a.policy:
         mn, first = (int(x) for x in pol.split(":"))
         cells = [replay(*ids[n], cost, mn, first, a.gen) for n in names]
-        print(f"| replay {pol} | " + " | ".join(f"{s:.2f}x, {tp:.2f}" for s, tp, _, _ in cells) + " |")
+        print(f"| replay {pol} | " + " | ".join(f"{s:.2f}x, {(acc + n) / max(1, n):.2f}" for s, n, acc, _ in cells) + " |")
     flat = [1.0] * len(cost)
     for any_match, c in itertools.product((False, True), (cost, flat)):
         label = ("any match" if any_match else "oracle") + (", flat" if c is flat else "")
