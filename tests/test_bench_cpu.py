@@ -107,6 +107,9 @@ def test_speculative_rows_on_the_default_model():
     assert sum(row["accepted"] for row in edits) > 0 and all(row["spec_steps"] > 0 for row in edits), edits
     for row in rep["rows"]:
         assert row["accepted"] <= row["drafted"] and row["new_tokens"] <= 24
+        # every pass of the weights counted: one token each plus the accepted drafts
+        assert row["tokens_per_pass_all"] == (row["new_tokens"] - 1) / (row["new_tokens"] - 1 - row["accepted"])
+    assert max(row["tokens_per_pass_all"] for row in edits) > 1
     cost = rep["verify_cost"]
     assert cost["step_ms"] > 0 and all(cost[str(t)] > 0 for t in (2, 4, 8))
     t = kog("bench", "--backend", "cpu", "--model", gguf, "--speculative", "4", "--gen", "8", "--reps", "1")
