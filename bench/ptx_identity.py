@@ -14,7 +14,10 @@ src = build.source()
 cases = [("2b", "BF16", 1, False), ("2b", "BF16", 2, False), ("2b", "BF16", 1, True), ("smollm2-135m", "Q4_1", 1, False),
          ("qwen2.5-0.5b", "BF16", 1, False), ("llama3.2-1b", "Q4_0", 1, False), ("2b", "Q8_0", 1, False), ("2b", "F32", 1, False),
          # one lane in bf16: build.one_lane_units' CFG_PFS 65536, CFG_NR_WO 1, CFG_NR_W2 1; Params through global memory
-         ("smollm2-135m", "BF16", 1, False), ("2b", "BF16", 1, False, {"CFG_PCONST": 0})]
+         ("smollm2-135m", "BF16", 1, False), ("2b", "BF16", 1, False, {"CFG_PCONST": 0}),
+         # the speculative builds (verify passes of CFG_SPEC positions; mk_spec*.cuh)
+         ("smollm2-135m", "BF16", 1, False, {"CFG_SPEC": 9}), ("smollm2-135m", "Q4_1", 1, False, {"CFG_SPEC": 9}),
+         ("llama3.2-1b", "BF16", 1, False, {"CFG_SPEC": 6})]
 def one(c):
     name, dt, nr, marks, extra = (c + ({},))[:5]
     cfg = shape_config(name)

@@ -148,7 +148,7 @@ def table(report: dict) -> str:
         per_pass = f"{r['tokens_per_step']:.2f}" if r["spec_steps"] else "- (no pass)"
         out.append(f"| {r['task']} | {r['kind']} | {r['new_tokens']} | {r['plain_tokens_per_s']:.1f} | "
                    f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | {per_pass} | "
-                   f"{r.get('tokens_per_pass_all', 1.0):.2f} | "
+                   f"{r['tokens_per_pass_all']:.2f} | "
                    f"{r['accepted']}/{r['drafted']} | {r['identical']} |")
     if not report.get("speculating"):
         out.append(f"(the {report['backend']} backend made no verify pass: speculation is not in it yet)")
