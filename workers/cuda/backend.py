@@ -280,7 +280,7 @@ class CudaBackend(Backend):
                                  rc.num_attention_heads, rc.kv_heads, rc.head_dim)
         return {
             "q": cp.empty(P * H * hd, f32),
-            "attp": cp.empty(P * KV * nch * (H // KV) * (hd + 2), f32),
+            "attp": cp.empty(P * KV * nch * (H // KV) * (hd + 4), f32),   # ATTP = HD + 4 (mk_layout.cuh)
             "hid": cp.empty(P * rc.intermediate_size, f32),
             "hres": cp.empty(P * (2 * N + 1) * L * D, f32),
             "logits": cp.empty(V, f32),

@@ -20,6 +20,21 @@ __device__ __forceinline__ int xpc(int d, int K) {
 }
 __device__ __forceinline__ int xp(int d, int K) { return xpc<XCW_L>(d, K); }
 __device__ __forceinline__ int xpv(int d, int K) { return xpc<XCW_W>(d, K); }
+// Staging an input of K floats four at a time: the thread-linear float4 index q -> {the element x of its
+// first float (x % 4 == 0), the float4 slot of the planes (xp) that holds x .. x + 3}. Where a plane has a
+// multiple of 8 chunks, a quarter warp takes 8 consecutive chunks of one plane (its 16-byte stores
+// contiguous: no bank conflicts, where x = 4q puts the 8 planes of a chunk on the same banks when K / CW
+// is a multiple of 8) and a warp's loads are still whole 32-byte sectors; otherwise x = 4q.
+template <int K>
+__device__ __forceinline__ int2 stage4(int q) {
+  constexpr int CW = XCW_L, SP = CW / 4, NC = K / CW;
+  if constexpr (CW > 4 && NC % 8 == 0) {
+    const int a = q >> 3, s = a % SP, c = (a / SP) * 8 + (q & 7);
+    return make_int2(c * CW + 4 * s, s * NC + c);
+  } else {
+    return make_int2(4 * q, xp(4 * q, K) >> 2);
+  }
+}
 // dot of 16 bytes of storage (chunk c of a row of K) with x (shared, K floats, planes xpv)
 template <int K>
 __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {

@@ -54,7 +54,7 @@ constexpr long long OFF_QKV = 0, OFF_WO = QKV_SZ, OFF_W13 = OFF_WO + WO_SZ, OFF_
 constexpr long long LAYER_SZ = OFF_W2 + W2_SZ;
 constexpr int pow2_at_least(int v) { int p = 1; while (p < v) p <<= 1; return p; }
 constexpr int VPOW2 = pow2_at_least(V);
-constexpr int ATTP = HD + 2;                                // (acc[HD], m, l) per (unit, head)
+constexpr int ATTP = HD + 4;   // (acc[HD], m, l, 2 unused) per (unit, head): 16-byte rows for WO's float4 merge
 // counters (u64): per phase and lane, then ticket, token, token word, stop, cancel. The token word is
 // {n + 1, stop reason, token} (32, 8, 24 bits): the blocks poll it and have the token in the same load.
 static_assert(V < (1 << 24), "the token word holds a token in 24 bits");
@@ -120,7 +120,7 @@ struct Params {   // every field 8 bytes; the one list: params.py reads it and t
   wt* kc;                        // 5  [NL][KV][max_seq][HD]
   wt* vc;                        // 6
   float* q;                      // 7  [H][HD]
-  float* attp;                   // 8  [KV][NCH][G][HD+2]
+  float* attp;                   // 8  [KV][NCH][G][HD+4]
   float* hid;                    // 9  [L][FL]
   float* part;                   // 10 [NL][2][L][D]
   float* hres;                   // 11 [2NL+1][L][D]

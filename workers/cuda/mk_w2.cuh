@@ -21,6 +21,10 @@ __device__ void phase_w2(const Params& p, float* sm, int n, int i, int tok) {
   __syncthreads();
   tmark(p, n, ph, 1);
   for (int l = l0; l <= l1; ++l)
-    for (int x = threadIdx.x; x < FL; x += NT) sm[(l - l0) * FL + xp(x, FL)] = ldf(p.hid + (long long)l * FL + x);
+    for (int q = threadIdx.x; q < FL / 4; q += NT) {   // four floats a thread: one load round, not FL / NT
+      const int2 xs = stage4<FL>(q);
+      *reinterpret_cast<float4*>(sm + (l - l0) * FL + 4 * xs.y) =
+          __ldcg(reinterpret_cast<const float4*>(p.hid + (long long)l * FL + xs.x));
+    }
   combine_phase_end<NR_W2, FL>(p, sm, n, ph, E, i, 1, ua, ub, nbuf, l0, cb, mp);
 }

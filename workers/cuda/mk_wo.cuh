@@ -32,37 +32,42 @@ __device__ void phase_wo(const Params& p, float* sm, int n, int i, int t, int to
   __syncthreads();
   tmark(p, n, ph, 1);
   // attention outputs of the block's lanes, merged over the position chunks in use (MB a batch: the
-  // batch's loads in flight together, one rescale a batch)
+  // batch's loads in flight together, one rescale a batch), four elements of a head a thread (one float4
+  // of a chunk's acc, one float2 of its (m, l)): HDL / 4 threads, one round of loads where HDL > NT
   int lo, CH;
   const int nch = att_split(i, t, lo, CH);
   constexpr int MB = NCH < 8 ? NCH : 8;
   for (int l = l0; l <= l1; ++l)
-    for (int x = threadIdx.x; x < HDL; x += NT) {
-      const int hh = x / HD, d = x % HD, qh = l * HL + hh, g = qh / G, hg = qh % G;
+    for (int q = threadIdx.x; q < HDL / 4; q += NT) {
+      const int2 xs = stage4<HDL>(q);
+      const int hh = xs.x / HD, d = xs.x % HD, qh = l * HL + hh, g = qh / G, hg = qh % G;
       const float* a = p.attp + ((long long)g * NCH * G + hg) * ATTP;
-      float M = -1e30f, A = 0.f, Ls = 0.f;
+      float M = -1e30f, Ls = 0.f;
+      float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int c0 = 0; c0 < nch; c0 += MB) {
-        float mc[MB], ac[MB], lc[MB];
+        float2 ml[MB];
+        float4 ac[MB];
 #pragma unroll
         for (int k = 0; k < MB; ++k) {
           const float* ach = a + (long long)(c0 + k) * G * ATTP;
           const bool in = c0 + k < nch;
-          mc[k] = in ? ldf(ach + HD) : -1e30f; ac[k] = in ? ldf(ach + d) : 0.f; lc[k] = in ? ldf(ach + HD + 1) : 0.f;
+          ml[k] = in ? __ldcg(reinterpret_cast<const float2*>(ach + HD)) : make_float2(-1e30f, 0.f);
+          ac[k] = in ? __ldcg(reinterpret_cast<const float4*>(ach + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         float Mb = M;
 #pragma unroll
-        for (int k = 0; k < MB; ++k) Mb = fmaxf(Mb, mc[k]);
+        for (int k = 0; k < MB; ++k) Mb = fmaxf(Mb, ml[k].x);
         const float r = expf(M - Mb);
-        A *= r; Ls *= r;
+        A.x *= r; A.y *= r; A.z *= r; A.w *= r; Ls *= r;
 #pragma unroll
         for (int k = 0; k < MB; ++k) {
-          const float e = expf(mc[k] - Mb);
-          A += ac[k] * e;
-          Ls += lc[k] * e;
+          const float e = expf(ml[k].x - Mb);
+          A.x += ac[k].x * e; A.y += ac[k].y * e; A.z += ac[k].z * e; A.w += ac[k].w * e;
+          Ls += ml[k].y * e;
         }
         M = Mb;
       }
-      sm[(l - l0) * HDL + xp(x, HDL)] = A / Ls;
+      *reinterpret_cast<float4*>(sm + (l - l0) * HDL + 4 * xs.y) = make_float4(A.x / Ls, A.y / Ls, A.z / Ls, A.w / Ls);
     }
   combine_phase_end<NR_WO, HDL>(p, sm, n, ph, E, i, 0, ua, ub, nbuf, l0, cb, mp);
 }
