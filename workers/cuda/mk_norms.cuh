@@ -33,6 +33,12 @@ constexpr int DPT = (D + NT - 1) / NT;
 __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, const float* g, int tok,
                             unsigned wmask, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // G1: the norm weights loaded with the residual, not after the block's reduction (one L2 round trip
+  // on the chain instead of two): one lane and at most two elements a thread (SmolLM2 +2%; Llama-3.2-1B's
+  // four a thread lost 1.5%, and a copy into shared memory before the wait lost 1.6-1.7% on both:
+  // BENCHMARKS.md "Results of 2026-12-04 (twenty-fourth session)")
+  constexpr bool G1 = MAXL == 1 && DPT <= 2;
+  float g1[DPT];
   for (int kb = 0; kb < nl; kb += MAXL) {
     __syncthreads();
 #pragma unroll 1
@@ -44,6 +50,7 @@ __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, 
         for (int e = 0; e < DPT; ++e) {
           const int d = threadIdx.x + e * NT;
           v[e] = (d < D) ? hval(p, s, l0 + kb + k, d, tok) : 0.f;
+          if (G1) g1[e] = d < D ? __ldg(g + (long long)(l0 + kb) * D + d) : 0.f;
         }
 #pragma unroll
         for (int e = 0; e < DPT; ++e) {
@@ -68,7 +75,7 @@ __device__ void stage_norms(const Params& p, float* dst, int s, int l0, int nl, 
 #pragma unroll
       for (int e = 0; e < DPT; ++e) {
         const int d = threadIdx.x + e * NT;
-        gv[e] = d < D ? __ldg(gl + d) : 0.f;
+        gv[e] = G1 ? g1[e] : (d < D ? __ldg(gl + d) : 0.f);
       }
 #pragma unroll
       for (int e = 0; e < DPT; ++e) {
