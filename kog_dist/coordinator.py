@@ -84,6 +84,7 @@ class Coordinator(Scheduler):
         self.drain_deadline = None
         self.peer_failed_at = None
         self.signalled = None
+        self.shutdown_why = None                 # request_shutdown's reason (another thread's)
         self.t0 = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.wake_rx = self.auth = None
@@ -190,6 +191,12 @@ class Coordinator(Scheduler):
                 self.ctx.destroy(linger=0)
         self.log(f"stopped (exit {self.exit_code or 0})")
         return self.exit_code or 0
+
+    def request_shutdown(self, why: str = "requested") -> None:
+        """Ask a serving loop running in another thread to shut down as on SIGTERM (it acts within a poll
+        interval). The loop's sockets are its own: calling _begin_shutdown from another thread sent on the
+        ROUTER from two threads at once (a zmq socket is not thread-safe: it crashed the process)."""
+        self.shutdown_why = why
 
     def _on_signal(self, signum, frame):
         self.signalled = signum                  # acted on by the loop, never inside the handler
@@ -441,6 +448,8 @@ class Coordinator(Scheduler):
                 return
         if signalled:
             self._begin_shutdown(f"signal {self.signalled}")
+        if self.shutdown_why is not None and not self.draining:
+            self._begin_shutdown(self.shutdown_why)
         if self.peer_failed_at is not None and self.exit_code != 1:
             # a rank died (hydra's SIGUSR1): a running decode fails by itself (PeerLost); an idle job,
             # or a decode still stuck after 10 s, is failed here

@@ -121,7 +121,7 @@ class Server:
 
     def stop(self, timeout=10.0):
         if self.thread.is_alive():
-            self.coord._begin_shutdown("test teardown")    # the loop notices within a poll interval
+            self.coord.request_shutdown("test teardown")    # the loop acts on it within a poll interval
             self.thread.join(timeout)
         assert not self.thread.is_alive(), "the coordinator did not stop"
         return self.rc
