@@ -93,3 +93,34 @@ def test_checkpoint_shapes_are_the_named_shapes(tmp_path):
         assert set(flags) - {"--window", "--window-layers"} <= set(c), c
         seen.add(name)
     assert seen == {"2b", "llama3.2-1b", "smollm2-135m"}
+
+
+def test_spills_by_file_maps_the_kernel_source_and_counts_local_traffic():
+    """bench/spills_by_file.py: its line -> file map walks the sources as build.source() does (line counts
+    equal, and the pasted files start where their headers are), and SASS lines are counted under the file of
+    their `//## File ... line N` mark, spill loads and stores apart, only inside the named function."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+    import spills_by_file as S
+    from workers.cuda import build
+    src = build.source()
+    files = S.line_files([os.path.join(build.HERE, f) for f in build.SOURCES])
+    lines = src.split("\n")
+    assert len(files) == src.count("\n") + (not src.endswith("\n"))
+    for name in ("mk_wo.cuh", "mk_w2.cuh", "mk_spec.cuh"):
+        first = files.index(name)
+        assert lines[first].startswith(f"// {name}: part of"), (name, lines[first])
+    wo = files.index("mk_wo.cuh") + 1
+    qkv = files.index("mk_qkv.cuh") + 1
+    sass = "\n".join([
+        "\t.section\t.text.other,\"ax\",@progbits",
+        f"\t//## File \"/t/m.cu\", line {wo}",
+        "        /*0000*/                   LDL R1, [R1] ;",
+        "\t.section\t.text.monokernel,\"ax\",@progbits",
+        f"\t//## File \"/t/m.cu\", line {wo + 3}",
+        "        /*0000*/                   LDL.64 R2, [R1+0x8] ;",
+        "        /*0010*/                   FFMA R3, R4, R5, R3 ;",
+        f"\t//## File \"/t/m.cu\", line {qkv + 1}",
+        "        /*0020*/                   STL [R1+0x4], R6 ;",
+        "        /*0030*/                   LDG.E.128.CONSTANT R8, desc[UR4][R10.64] ;",
+    ])
+    assert S.attribute(files, sass) == {"mk_wo.cuh": [2, 1, 0], "mk_qkv.cuh": [2, 0, 1]}
