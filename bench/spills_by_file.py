@@ -19,36 +19,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def line_files(paths, seen=None) -> list:
-    """The source file of each line of kccl.cuda_source.inline_sources(paths) (the same walk: local includes
-    inlined once, #pragma once dropped, the paths' texts joined by a newline)."""
-    seen = set() if seen is None else seen
-    out = []
-    for k, path in enumerate(paths):
-        if k:
-            out[-1:] = [out[-1], out[-1]] if out else []   # the joining newline ends the previous file's last line
-        out += _walk(path, seen)
-    return out
-
-
-def _walk(path, seen) -> list:
-    out = []
-    for line in open(path):
-        m = re.match(r'\s*#include\s+"([^"]+)"', line)
-        if m:
-            inc = os.path.join(os.path.dirname(path), m.group(1))
-            if inc not in seen:
-                seen.add(inc)
-                out += _walk(inc, seen)
-            continue
-        if line.strip() != "#pragma once":
-            out.append(os.path.basename(path))
-    return out
-
-
 def attribute(files: list, sass: str, function: str = "monokernel") -> dict:
     """{file: [instructions, LDL, STL]} of `function` in `sass` (nvdisasm -g text), by the source file of the
-    line each instruction belongs to (files[n - 1]: line n's file, from line_files)."""
+    line each instruction belongs to (files[n - 1]: line n's file, kccl.cuda_source.inlined_line_files)."""
     out = collections.defaultdict(lambda: [0, 0, 0])
     section, line = None, 0
     for l in sass.split("\n"):
@@ -70,14 +43,14 @@ def attribute(files: list, sass: str, function: str = "monokernel") -> dict:
 
 
 def build_sass(spec: str, nvdisasm: str) -> tuple[str, str]:
+    from kccl.cuda_source import inlined_line_files
     from kog_dist.shapes import shape_config
     from workers.cuda import build
     name, dt, *rest = spec.split(":")
     extra = {k: int(v) for k, v in (kv.split("=") for kv in rest[0].split(","))} if rest else {}
     d = build.defines(shape_config(name), dt, 132, extra=extra)
     src = build.source()
-    files = line_files([os.path.join(build.HERE, f) for f in build.SOURCES])
-    assert len(files) == src.count("\n") + (not src.endswith("\n")), "line_files does not walk the sources as build.source() does"
+    files = inlined_line_files([os.path.join(build.HERE, f) for f in build.SOURCES])
     with tempfile.TemporaryDirectory() as t:
         f, cub = os.path.join(t, "m.cu"), os.path.join(t, "m.cubin")
         open(f, "w").write(src)

@@ -96,14 +96,16 @@ def test_checkpoint_shapes_are_the_named_shapes(tmp_path):
 
 
 def test_spills_by_file_maps_the_kernel_source_and_counts_local_traffic():
-    """bench/spills_by_file.py: its line -> file map walks the sources as build.source() does (line counts
+    """bench/spills_by_file.py: its line -> file map (kccl.cuda_source.inlined_line_files) walks the sources as
+    build.source() does (line counts
     equal, and the pasted files start where their headers are), and SASS lines are counted under the file of
     their `//## File ... line N` mark, spill loads and stores apart, only inside the named function."""
     sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
     import spills_by_file as S
+    from kccl.cuda_source import inlined_line_files
     from workers.cuda import build
     src = build.source()
-    files = S.line_files([os.path.join(build.HERE, f) for f in build.SOURCES])
+    files = inlined_line_files([os.path.join(build.HERE, f) for f in build.SOURCES])
     lines = src.split("\n")
     assert len(files) == src.count("\n") + (not src.endswith("\n"))
     for name in ("mk_wo.cuh", "mk_w2.cuh", "mk_spec.cuh"):
