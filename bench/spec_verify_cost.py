@@ -26,6 +26,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--define", action="append", default=[], metavar="CFG_X=V",
                     help="extra compile-time define of both builds (variants, e.g. CFG_SPEC_NOINL=1)")
+    ap.add_argument("--not-speculating", action="store_true",
+                    help="the backend as made without --speculative (its builds' thread count is the plain one's)")
     ap.add_argument("--profile", type=int, default=0, metavar="P",
                     help="instead: the per-phase profile (clock marks) of a plain step and of a pass of P positions")
     a = ap.parse_args()
@@ -40,7 +42,7 @@ def main() -> int:
     extra = {k: int(v) for k, v in (d.split("=", 1) for d in a.define)}
     k = build(cfg, dtype, marks=bool(a.profile), extra=extra)
     b = CudaBackend(weights=random_weights(cfg, dtype, k, seed=0), max_seq=a.prompt + a.gen + 16, num_slots=1,
-                    timing_marks=bool(a.profile), extra_defines=extra)
+                    timing_marks=bool(a.profile), extra_defines=extra, speculative=not a.not_speculating)
     b._spec()
     if a.profile:
         from workers.cuda.bench_kernel import format_breakdown, phase_breakdown

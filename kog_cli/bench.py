@@ -356,7 +356,7 @@ def _speculative_cost(args) -> int:
     dtype = STORE_NAMES[args.dtype] if args.dtype else "BF16"
     k = build(cfg, dtype, args.nblocks, args.prefetch)
     b = CudaBackend(weights=random_weights(cfg, dtype, k, seed=args.seed), max_seq=args.prompt + args.gen + 16,
-                    num_slots=1, nblocks=args.nblocks, prefetch=args.prefetch)
+                    num_slots=1, nblocks=args.nblocks, prefetch=args.prefetch, speculative=True)
     try:
         if b.spec_max < 2:
             print(f"kog bench: error: the {args.shape} shape has {cfg.num_lanes} lanes: verify passes are built for "

@@ -110,7 +110,34 @@ def task_row(backend, cfg, tok, task: dict, k: int, new_tokens: int, rounds: int
             # draft included: what the speedup follows when every pass costs the same
             "tokens_per_pass_all": (len(spec.token_ids) - 1) / max(1, len(spec.token_ids) - 1 - spec.spec_accepted),
             "spec_steps": spec.spec_steps, "drafted": spec.spec_drafted, "accepted": spec.spec_accepted,
+            "plain_token_ids": list(plain.token_ids),
             "identical": all(r.token_ids == plain.token_ids for rs in runs.values() for r in rs)}
+
+
+def plain_default_rows(kind, src, cfg, tok, tasks, rows, threads, new_tokens, rounds, dtype, say) -> None:
+    """A backend made to speculate may compile for other thread counts than its plain build's best
+    (workers.cuda.build.speculating_threads): then each task's plain decode on a backend made without
+    speculation too, and the speedup against the faster plain (rows gain plain_default_tokens_per_s)."""
+    backend, _ = make_backend(kind, src, num_slots=1, dtype=dtype)
+    try:
+        if backend.k.nthreads == threads:
+            return
+        say(f"[spec] plain decode on a backend not made to speculate ({backend.k.nthreads} threads a block, "
+            f"the speculating one {threads})")
+        for t, row in zip(tasks, rows):
+            ids = tok.encode_chat([{"role": "user", "content": t["prompt"]}])
+            got = []
+            for _ in range(rounds):
+                backend.free(0)
+                got.append(backend.run(RunCommand(slot=0, append=ids, max_new_tokens=new_tokens,
+                                                  stop_ids=end_of_turn_ids(cfg, tok))))
+            row["plain_default_tokens_per_s"] = statistics.median(r.decode_tokens_per_s for r in got)
+            # the same ids unless a near tie rounds otherwise at another thread count (reported, not required)
+            row["plain_default_identical"] = all(list(r.token_ids) == row["plain_token_ids"] for r in got)
+            best = max(row["plain_tokens_per_s"], row["plain_default_tokens_per_s"])
+            row["speedup_vs_best_plain"] = row["spec_tokens_per_s"] / best if best else 0.0
+    finally:
+        backend.close()
 
 
 def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: int, cost_reps: int,
@@ -120,7 +147,7 @@ def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: i
     src = open_model(resolve_model(model))
     tok = load_tokenizer(src)
     kind = resolve(backend_kind)
-    backend, cfg = make_backend(kind, src, num_slots=2, dtype=dtype)
+    backend, cfg = make_backend(kind, src, num_slots=2, dtype=dtype, speculative=True)
     tasks = tasks if tasks is not None else load_tasks()
     rows = []
     try:
@@ -131,8 +158,11 @@ def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: i
                 f"{row['tokens_per_step']:.2f} tokens a pass, identical {row['identical']}")
         first = tok.encode_chat([{"role": "user", "content": tasks[0]["prompt"]}])
         cost = verify_cost(backend, first, cost_reps) if cost_reps > 0 else None
+        threads = getattr(getattr(backend, "k", None), "nthreads", None)
     finally:
         backend.close()
+    if threads is not None:
+        plain_default_rows(kind, src, cfg, tok, tasks, rows, threads, new_tokens, rounds, dtype, say)
     return {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "dtype": dtype, "k": k,
             "max_new_tokens": new_tokens, "rounds": rounds, "rows": rows, "verify_cost": cost,
             "speculating": any(r["spec_steps"] for r in rows)}
@@ -150,6 +180,10 @@ def table(report: dict) -> str:
                    f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | {per_pass} | "
                    f"{r['tokens_per_pass_all']:.2f} | "
                    f"{r['accepted']}/{r['drafted']} | {r['identical']} |")
+    if any("plain_default_tokens_per_s" in r for r in report["rows"]):
+        out.append("plain decode on a backend not made to speculate (its own thread count): " + ", ".join(
+            f"{r['task']} {r['plain_default_tokens_per_s']:.1f} tok/s (ids the same: {r['plain_default_identical']}), "
+            f"speculative {r['speedup_vs_best_plain']:.2f}x the faster plain" for r in report["rows"] if "plain_default_tokens_per_s" in r))
     if not report.get("speculating"):
         out.append(f"(the {report['backend']} backend made no verify pass: speculation is not in it yet)")
     cost = report.get("verify_cost")

@@ -184,12 +184,14 @@ def test_one_lane_builds_choose_the_copy_and_the_block_size_by_storage():
     share of a layer is at most 128 KB of bf16: SmolLM2-135M (52 KB), not Qwen2.5-0.5B (221 KB) nor
     Llama-3.2-1B (900 KB); quantized layer matrices get the copy and 384 threads a block under the same
     128 KB of quants and scales (SmolLM2, Qwen2.5-0.5B in Q8_0 117 KB and Q4_0 62 KB; not Llama-3.2-1B, 253 KB
-    in Q4_0); several lanes neither."""
+    in Q4_0); a speculating backend of a model with the copy takes 384 threads in bf16 too, and query groups
+    of more than 4 heads (Qwen2.5-0.5B's 7) 384 in every storage; several lanes neither."""
     from kog_dist.shapes import shape_config
     from workers.cuda.build import one_lane_units
     u = {(s, q): one_lane_units(shape_config(s), q, "BF16", 132)
          for s in ("smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b", "2b") for q in (None, "Q4_1", "Q4_0", "Q8_0")}
     assert u[("smollm2-135m", None)].get("CFG_PFS") == 65536 and "CFG_NT" not in u[("smollm2-135m", None)]
+    assert u[("qwen2.5-0.5b", None)].get("CFG_NT") == 384     # 7 query heads a KV head
     assert "CFG_PFS" not in u[("qwen2.5-0.5b", None)] and "CFG_PFS" not in u[("llama3.2-1b", None)]
     for s in ("smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b"):
         for q in ("Q4_1", "Q4_0", "Q8_0"):
@@ -197,6 +199,9 @@ def test_one_lane_builds_choose_the_copy_and_the_block_size_by_storage():
             assert u[(s, q)].get("CFG_PFS", 0) == (65536 if small else 0), (s, q)
             assert u[(s, q)].get("CFG_NT", 512) == (384 if small else 512), (s, q)
     assert all(u[("2b", q)] == {} for q in (None, "Q4_1", "Q4_0", "Q8_0"))
+    spec = {s: one_lane_units(shape_config(s), None, "BF16", 132, spec=True).get("CFG_NT", 512)
+            for s in ("smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b")}
+    assert spec == {"smollm2-135m": 384, "qwen2.5-0.5b": 384, "llama3.2-1b": 512}
 
 
 def test_quantized_one_lane_build_compiles(tmp_path):

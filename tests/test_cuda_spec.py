@@ -58,7 +58,7 @@ def _cfg(over):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from workers.cuda.build import prebuild, spec_positions
+    from workers.cuda.build import prebuild, spec_positions, speculating_threads
     out = {}
     for name, (over, dt) in MODELS.items():
         d = str(tmp_path_factory.mktemp(name))
@@ -71,13 +71,18 @@ def models(tmp_path_factory):
     for over, dt in MODELS.values():
         sp = spec_positions(_cfg(over), dt, 132)
         items += [(_cfg(over), dt), (_cfg(over), dt, sp)]
+        nt = speculating_threads(_cfg(over), dt, 132)
+        if nt != 512:   # a speculating backend's two builds
+            sps = spec_positions(_cfg(over), dt, 132, nthreads=nt)
+            items += [(_cfg(over), dt, 0, {"CFG_NT": nt}), (_cfg(over), dt, sps, {"CFG_NT": nt})]
     prebuild(items)
     return out
 
 
-def _backend(path, dtype, extra=None):
+def _backend(path, dtype, extra=None, speculative=False):
     from workers.cuda.backend import CudaBackend
-    return CudaBackend(path, max_seq=512, num_slots=2, progress=False, dtype=dtype, extra_defines=extra)
+    return CudaBackend(path, max_seq=512, num_slots=2, progress=False, dtype=dtype, extra_defines=extra,
+                       speculative=speculative)
 
 
 def _echo_prompt(b):
@@ -97,13 +102,17 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+@pytest.mark.parametrize("speculating", [False, True], ids=["plain_backend", "speculating_backend"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name):
+def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name, speculating):
     """Greedy, 128 tokens after a prompt that holds much of what the model will say: the ids with speculation
     (k = 8) are the plain kernel's, the logits of every token given are the plain kernel's bit for bit, and
-    drafts were accepted. fp32 storage: the ids are also the numpy engine's."""
+    drafts were accepted. fp32 storage: the ids are also the numpy engine's. Both for a backend made
+    without speculation and for one made to speculate (both builds at its thread count: 384 for most here)."""
     over, dt = MODELS[name]
-    b = _backend(models[name], dt)
+    b = _backend(models[name], dt, speculative=speculating)
+    if speculating:
+        assert b.k.nthreads == b._spec()[0].nthreads
     try:
         prompt = _echo_prompt(b)
         plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)

@@ -67,12 +67,14 @@ STORE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "q8_0": "Q8_0", "q4
 
 
 def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=None,
-                 num_slots: int = 4, progress=None, comm=None, prefill_chunk=None, dtype=None):
+                 num_slots: int = 4, progress=None, comm=None, prefill_chunk=None, dtype=None,
+                 speculative: bool = False):
     """Returns (backend, cfg). `src` is the opened model (kog_dist.formats.open_model: config and tensor
     source) or a path to open; `lanes` is this rank's range (None: all); exchange/agree carry the lane
     sums and the go-on decision between ranks (None: one rank). `dtype` (None: the model's own):
     bf16, fp16, fp32, q8_0, q4_0 or q4_1 storage of the layer matrices; the cpu backend computes on
-    the values that storage holds, the cuda backend streams it."""
+    the values that storage holds, the cuda backend streams it. `speculative`: requests will speculate by
+    default (the cuda backend compiles for it)."""
     store = STORE_NAMES.get(str(dtype).lower()) if dtype is not None else None
     if dtype is not None and store is None:
         raise ValueError(f"--dtype {dtype}: not a storage type ({', '.join(STORE_NAMES)})")
@@ -81,7 +83,7 @@ def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=
         src = open_model(src, progress=progress)
     if kind == "cuda":
         b = CudaBackend(src, lanes=lanes, max_seq=max_seq, num_slots=num_slots, comm=comm,
-                        progress=progress, dtype=store)
+                        progress=progress, dtype=store, speculative=speculative)
         return b, b.cfg
     check_context_fits(src.cfg, max_seq)   # a context whose KV cache cannot fit is refused before loading
     m = Model(src, lanes, progress, store=store)

@@ -94,7 +94,8 @@ def run(a) -> int:
         backend, cfg = _all_or_none(world, lambda: make_backend(
             kind, src, lanes=lanes, max_seq=a.max_seq, exchange=KcclExchange(comm) if size > 1 else None,
             agree=make_agree(comm), num_slots=max(1, a.slots), progress=None if rank == 0 else False,
-            comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size, dtype=a.dtype))
+            comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size, dtype=a.dtype,
+            speculative=a.speculative > 0))
         if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
             hb = Heartbeat.start(world, log=log)
         if rank != 0 and not a.oneshot:

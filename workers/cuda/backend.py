@@ -87,12 +87,14 @@ class CudaBackend(Backend):
     """`model`: a path (any format kog_dist.formats.open_model reads) or a tensor source (open_model's,
     a CheckpointReader), or None with `weights` (DeviceWeights made by the caller, e.g. random_weights).
     `dtype`: the storage (weights.split_dtype: BF16, F16, F32, Q8_0, Q4_0, Q4_1, Q4_0:F32, ...); None: the
-    checkpoint's own (weights.default_dtype)."""
+    checkpoint's own (weights.default_dtype). `speculative`: the backend will serve speculative requests
+    (a server's default): both builds take the thread count that suits the verify passes
+    (build.speculating_threads); without it a speculative request still runs, on the plain build's."""
 
     def __init__(self, model=None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
                  prefetch: int | None = None, prefill_chunk: int = 2048, extra_defines: dict | None = None,
-                 timing_marks: bool = False):
+                 timing_marks: bool = False, speculative: bool = False):
         import cupy as cp
 
         from .build import build
@@ -139,9 +141,15 @@ class CudaBackend(Backend):
             if lanes is not None and len(lanes) != self.cfg.num_lanes:
                 raise ValueError("the cuda backend runs all lanes on one rank unless given a kccl cuda_ipc "
                                  "communicator of several ranks")
+        if speculative and self.nranks == 1 and self.cfg.num_lanes == 1:
+            from .build import speculating_threads
+            extra_defines = {"CFG_NT": speculating_threads(self.cfg, dtype, nblocks), **(extra_defines or {})}
         self.k = build(self.cfg, dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
                        nranks=self.nranks, marks=timing_marks)
-        self._spec_build = (dtype, prefetch, extra_defines, progress is not False)
+        # the speculative build runs the plain build's thread count: the same sums in the same order, so a
+        # verify pass gives the plain step's bits
+        self._spec_build = (dtype, prefetch, {**(extra_defines or {}), "CFG_NT": self.k.nthreads},
+                            progress is not False)
         self.ks = self.sbuf = None      # the speculative build and its buffers, made at the first such request
         if weights is None:
             try:
@@ -153,8 +161,7 @@ class CudaBackend(Backend):
         self.dw = weights
         self.nblocks = int(self.k.defines["CFG_NB"])
         from .build import spec_positions
-        self.spec_max = spec_positions(self.cfg, dtype, self.nblocks, self.nranks)
-        self.nthreads = int(self.k.defines.get("CFG_NT", 512))
+        self.spec_max = spec_positions(self.cfg, dtype, self.nblocks, self.nranks, self.k.nthreads)
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")
         if self.nranks > 1 and 8 * self.k.fin_words > 4 * comm.max_floats:
@@ -339,7 +346,7 @@ class CudaBackend(Backend):
             self._plain_launch()
             return
         try:
-            launch(fptr, self.nblocks, 1, 1, self.nthreads, 1, 1, self._kk.smem_bytes, self.stream.ptr,
+            launch(fptr, self.nblocks, 1, 1, self._kk.nthreads, 1, 1, self._kk.smem_bytes, self.stream.ptr,
                    ctypes.addressof(self._argv))
         except Exception as e:  # noqa: BLE001
             if self.comm is None:
@@ -360,10 +367,10 @@ class CudaBackend(Backend):
 
     def _plain_launch(self):
         if not self._params_by_value:
-            self._kk.mono((self.nblocks,), (self.nthreads,), (self.params,), shared_mem=self._kk.smem_bytes)
+            self._kk.mono((self.nblocks,), (self._kk.nthreads,), (self.params,), shared_mem=self._kk.smem_bytes)
             return
         self._argv = (ctypes.c_void_p * 1)(self._hparams.ctypes.data)
-        self.cp.cuda.driver.launchKernel(self._kk.mono.kernel.ptr, self.nblocks, 1, 1, self.nthreads, 1, 1,
+        self.cp.cuda.driver.launchKernel(self._kk.mono.kernel.ptr, self.nblocks, 1, 1, self._kk.nthreads, 1, 1,
                                          self._kk.smem_bytes, self.stream.ptr, ctypes.addressof(self._argv), 0)
 
     def _hang_report(self, seen):

@@ -54,7 +54,7 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
     }
 
 
-def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
+def one_lane_units(cfg, qtype, base: str, nblocks: int, spec: bool = False) -> dict:
     """One-lane models (Llama-family checkpoints, one rank): every phase waits for all blocks of the one
     before, so a phase must keep every warp busy: one-row units in W2 (CFG_NR_W2; 2 for several lanes) and
     one- or two-row units in WO (CFG_NR_WO; 4 for several lanes); and a small model's next weights copied
@@ -64,16 +64,38 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int) -> dict:
     128, fewer spills: SmolLM2 Q4_1 +3.0%, Qwen2.5-0.5B Q4_0 +4.8%; Llama-3.2-1B Q4_0, whose blocks stream
     253 KB, -2.4%: kept at 512) and the copy too, read by one loop over generic pointers (mk_helpers.cuh
     wdotq_unit; Qwen2.5-0.5B Q4_0 +1.4%, SmolLM2 Q4_1 neutral; with two loops it spilled and lost 10%). The
-    runs of each choice: BENCHMARKS.md "Results of 2026-12-02", "Quantized one-lane builds", "2026-12-03"."""
+    A backend that speculates (spec: its plain and speculative builds, which must run the same thread count
+    to give the same bits) runs 384 threads there in bf16 too: at 512 the verify phases' registers spilled
+    into the plain phases (SmolLM2 shape: a pass of one 1.07x a plain token, 0.98x at 384; passes of 2 / 5 / 9
+    1.35 / 2.29 / 2.73x against 1.19 / 2.16 / 2.56x), while a plain build alone is 0.8% faster at 512 on the
+    shape's random weights (the real model's plain decode: 2016 at 384 against 2002-2009 tokens/s at 512);
+    Llama-3.2-1B, whose blocks stream, is slower at 384 in both and keeps 512.
+    Query groups of more than 4 heads a KV head (Qwen2.5: 7, 6 or 8) run 384 threads in every build: the
+    attention's per-head accumulators spill at 128 registers (Qwen2.5-0.5B bf16: 1.5 KB of spill loads at
+    512, 0.5 KB at 384; 1384 against 1200 tokens/s).
+    The runs of each choice: BENCHMARKS.md "Results of 2026-12-02", "Quantized one-lane builds", "2026-12-03",
+    "2026-12-04"."""
     from .weights import layer_elems, matrix_bytes
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
     if matrix_bytes(layer_elems(cfg), qtype or base) / nblocks <= 128 * 1024:
         out["CFG_PFS"] = 65536
-        if qtype:
+        if qtype or spec:
             out["CFG_NT"] = 384
+    if cfg.num_attention_heads // cfg.kv_heads > 4:
+        out["CFG_NT"] = 384
     return out
+
+
+def speculating_threads(cfg, dtype: str, nblocks: int | None = None) -> int:
+    """CFG_NT of both builds of a backend made to speculate (one lane, one rank; one_lane_units' spec)."""
+    from .weights import split_dtype
+    if nblocks is None:
+        import cupy as cp
+        nblocks = default_blocks(cfg, cp.cuda.Device().attributes["MultiProcessorCount"])
+    qtype, base = split_dtype(dtype)
+    return int(one_lane_units(cfg, qtype, base, nblocks, spec=True).get("CFG_NT", 512))
 
 
 def qkv_loads(nranks: int = 1) -> int:
@@ -146,7 +168,7 @@ SMEM_LIMIT = 225 * 1024
 SPEC_MAX = 9   # positions of a verify pass at most: the last token and kog_dist.speculative.MAX_DRAFT drafts
 
 
-def spec_positions(cfg, dtype: str, nblocks: int, nranks: int = 1) -> int:
+def spec_positions(cfg, dtype: str, nblocks: int, nranks: int = 1, nthreads: int | None = None) -> int:
     """CFG_SPEC of the speculative build (mk_spec.cuh): the most positions, up to SPEC_MAX, whose inputs a
     block stages in shared memory at once (SP planes of the largest input, SP residual bases of its rows,
     the attention scratch); 0 where there is no verify pass (several lanes or ranks)."""
@@ -155,7 +177,8 @@ def spec_positions(cfg, dtype: str, nblocks: int, nranks: int = 1) -> int:
         return 0
     qtype, base = split_dtype(dtype)
     units = one_lane_units(cfg, qtype, base, nblocks)
-    nr_wo, nr_w2, nw = units.get("CFG_NR_WO", 4), units.get("CFG_NR_W2", 2), units.get("CFG_NT", 512) // 32
+    nr_wo, nr_w2 = units.get("CFG_NR_WO", 4), units.get("CFG_NR_W2", 2)
+    nw = (nthreads or units.get("CFG_NT", 512)) // 32
     D, HD = cfg.hidden_size, cfg.head_dim
     G = cfg.num_attention_heads // cfg.kv_heads
     kmax = max(D, cfg.num_attention_heads * HD, cfg.intermediate_size)
@@ -211,6 +234,7 @@ class Kernels:
         self.info = [int(x) for x in info.get()]
         self.smem_bytes, self.nctr, self.nch, self.vpow2, self.params_bytes, self.layer_elems = self.info[:6]
         self.nranks = int(defs.get("KOG_NRANKS", 1))
+        self.nthreads = int(defs.get("CFG_NT", 512))
         self.npost, self.fin_floats, self.fin_words = self.info[6:9] if self.nranks > 1 else (0, 0, 0)
         self.mono.max_dynamic_shared_size_bytes = self.smem_bytes
         self.fn = {n: module.get_function(n) for n in
@@ -269,13 +293,15 @@ import json, sys
 from kog_dist.config import LaneformerConfig
 from workers.cuda.build import build
 cfg = LaneformerConfig.from_dict(json.loads(sys.argv[1]))
-build(cfg, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), progress=False, spec=int(sys.argv[5]))
+build(cfg, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), progress=False, spec=int(sys.argv[5]),
+      extra=json.loads(sys.argv[6]) or None)
 """
 
 
 def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True) -> None:
-    """Compile several (cfg, dtype) or (cfg, dtype, spec) variants at once, one process each, to fill CuPy's
-    disk cache; later build() calls then only load the cached binaries. Failures surface at the later build()."""
+    """Compile several (cfg, dtype), (cfg, dtype, spec) or (cfg, dtype, spec, extra defines) variants at once,
+    one process each, to fill CuPy's disk cache; later build() calls then only load the cached binaries.
+    Failures surface at the later build()."""
     import subprocess
     import json
     import cupy as cp
@@ -285,7 +311,8 @@ def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(it[0].to_dict()), it[1],
-                               str(nblocks or default_blocks(it[0], sms)), str(prefetch), str(it[2] if len(it) > 2 else 0)],
+                               str(nblocks or default_blocks(it[0], sms)), str(prefetch), str(it[2] if len(it) > 2 else 0),
+                               json.dumps(it[3] if len(it) > 3 else {})],
                               env=env)
              for it in items]
     for p in procs:
