@@ -187,6 +187,18 @@ __device__ __forceinline__ uint4 ldw(const void* p) {
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
+// WPL words (4, 2 or 1) of weights at p, the same path (quantized rows split a chunk over lanes: mk_helpers.cuh)
+template <int WPL>
+__device__ __forceinline__ void ldw_words(const void* p, u32* v) {
+  if constexpr (WPL == 4) {
+    const uint4 r = ldw(p);
+    v[0] = r.x; v[1] = r.y; v[2] = r.z; v[3] = r.w;
+  } else if constexpr (WPL == 2) {
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
+  } else {
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v[0]) : "l"(p));
+  }
+}
 // data written by other blocks of the same launch: L2 only (no stale L1 lines)
 __device__ __forceinline__ float ldf(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 ldc16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }

@@ -61,42 +61,71 @@ constexpr int QUB = 8;
 #endif
 constexpr bool QOFS = CFG_QOFS && QW >= 2;
 static_assert(!QOFS || QCW == 32, "the offset form reads Q4 chunks of 32 weights");
-// the sum of chunk c's QCW inputs (planes xp), the offset form's correction (0 where unused)
+// A chunk split over lanes: where a row's chunks do not spread evenly over a warp's 32 lanes (SmolLM2's
+// K = 576 has 18 Q4 chunks, 14 lanes idle; its K = 1536 48, half the lanes doing two), QLPC<K> lanes share
+// each chunk, each taking 16 / QLPC bytes of it (WPL words), where that cuts the busiest lane's words by a
+// fifth or more (K = 576: 4 lanes a chunk, 3 words the busiest lane instead of 4; K = 1536: 2, 6 words
+// instead of 8). Its products are the same; only the order of the sums across lanes differs.
+#ifndef CFG_QLPC
+#define CFG_QLPC 4   // the most lanes a chunk (1: a chunk a lane)
+#endif
 template <int K>
-__device__ __forceinline__ float chunk_xsum(const float* xs, int c) {
+__host__ __device__ constexpr int qlpc() {
+  constexpr int NC = K / QCW;
+  int best = 1, bw = (NC + 31) / 32 * 4;
+  if (CFG_QLPC >= 2 && 5 * ((2 * NC + 31) / 32 * 2) <= 4 * bw) best = 2, bw = (2 * NC + 31) / 32 * 2;
+  if (CFG_QLPC >= 4 && 5 * ((4 * NC + 31) / 32) <= 4 * bw) best = 4;
+  return best;
+}
+// sums of t[0 .. WPL): the one-lane chunk's order (t0 + t1) + (t2 + t3) for four
+template <int WPL>
+__device__ __forceinline__ float sum_words(const float* t) {
+  if constexpr (WPL == 4) return (t[0] + t[1]) + (t[2] + t[3]);
+  else if constexpr (WPL == 2) return t[0] + t[1];
+  else return t[0];
+}
+// the sum of the inputs of words [q0, q0 + WPL) of chunk c (planes xp), the offset form's correction (0
+// where unused)
+template <int K, int WPL = 4>
+__device__ __forceinline__ float chunk_xsum(const float* xs, int c, int q0 = 0) {
   if constexpr (!QOFS) {
     return 0.f;
   } else {
     constexpr int NC = K / QCW;
-    float s[4];
+    float s[WPL];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
+    for (int i = 0; i < WPL; ++i) {
+      const int q = q0 + i;
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
-      s[q] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+      s[i] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
     }
-    return (s[0] + s[1]) + (s[2] + s[3]);
+    return sum_words<WPL>(s);
   }
 }
-template <int K>
-__device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, int c, float sxc) {
+// words [q0, q0 + WPL) of quantized chunk c of a row of K (v: those words of its 16 bytes of quants; sc: its
+// block's scale word) dotted with x (planes xp): the integers' dot, then times d (plus m times the sum of x
+// for Q4_1); sxc: chunk_xsum of the same words. Every form is linear in the words: the lanes' parts add up.
+template <int K, int WPL = 4>
+__device__ __forceinline__ float dotq_w(const u32* v, u32 sc, const float* xs, int c, int q0, float sxc) {
   constexpr int NC = K / QCW;
-  const u32 v[4] = {w.x, w.y, w.z, w.w};
-  float t[4], sx = 0.f;   // one chain a word: 8 (Q4) or 4 (Q8) dependent FMAs instead of 32 or 16
+  float t[WPL], sx = 0.f;   // one chain a word: 8 (Q4) or 4 (Q8) dependent FMAs instead of 32 or 16
   if (QW == 1) {   // Q8_0: 16 int8 (bytes + 128 as unsigned), float4 q = word q
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
+    for (int i = 0; i < WPL; ++i) {
+      const int q = q0 + i;
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
-      const u32 u = v[q] ^ 0x80808080u;
+      const u32 u = v[i] ^ 0x80808080u;
       float s = fmaf(qbyte(u, 0, 8388736.f), a.x, 0.f);
       s = fmaf(qbyte(u, 1, 8388736.f), a.y, s);
       s = fmaf(qbyte(u, 2, 8388736.f), a.z, s); s = fmaf(qbyte(u, 3, 8388736.f), a.w, s);
-      t[q] = s;
+      t[i] = s;
     }
   } else if (QOFS) {   // Q4_*, offset form: bytes q * 8 (low nibbles: v << 3, high: v >> 1, masked 0x78)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const u32 lo = (v[q] << 3) & 0x78787878u, hi = (v[q] >> 1) & 0x78787878u;
+    for (int i = 0; i < WPL; ++i) {
+      const int q = q0 + i;
+      const u32 lo = (v[i] << 3) & 0x78787878u, hi = (v[i] >> 1) & 0x78787878u;
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
       float s = fmaf(qhalf(lo, 0), a.x, 0.f);
@@ -104,17 +133,18 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
       s = fmaf(qhalf(lo, 2), a.z, s); s = fmaf(qhalf(lo, 3), a.w, s);
       s = fmaf(qhalf(hi, 0), b.x, s); s = fmaf(qhalf(hi, 1), b.y, s);
       s = fmaf(qhalf(hi, 2), b.z, s); s = fmaf(qhalf(hi, 3), b.w, s);
-      t[q] = s;
+      t[i] = s;
     }
-    const float s = (t[0] + t[1]) + (t[2] + t[3]);
+    const float s = sum_words<WPL>(t);
     const float d = hbits2f(sc & 0xffffu);
     if (QW == 2) return d * fmaf(s, 32.f, -24.f * sxc);                      // sum (q - 8) x = 32 S - 24 sx
     return fmaf(d, fmaf(s, 32.f, -16.f * sxc), hbits2f(sc >> 16) * sxc);    // d sum q x + m sx
   } else {         // Q4_*: word q's low nibbles are elements 4q.., its high nibbles elements 16 + 4q..
     constexpr float MG = QW == 2 ? 8388616.f : 8388608.f;   // Q4_0: q - 8; Q4_1: q
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const u32 lo = v[q] & 0x0F0F0F0Fu, hi = (v[q] >> 4) & 0x0F0F0F0Fu;
+    for (int i = 0; i < WPL; ++i) {
+      const int q = q0 + i;
+      const u32 lo = v[i] & 0x0F0F0F0Fu, hi = (v[i] >> 4) & 0x0F0F0F0Fu;
       const float4 a = *reinterpret_cast<const float4*>(xs + (q * NC + c) * 4);
       const float4 b = *reinterpret_cast<const float4*>(xs + ((4 + q) * NC + c) * 4);
       float s = fmaf(qbyte(lo, 0, MG), a.x, 0.f);
@@ -122,11 +152,11 @@ __device__ __forceinline__ float dotq(const uint4& w, u32 sc, const float* xs, i
       s = fmaf(qbyte(lo, 2, MG), a.z, s); s = fmaf(qbyte(lo, 3, MG), a.w, s);
       s = fmaf(qbyte(hi, 0, MG), b.x, s); s = fmaf(qbyte(hi, 1, MG), b.y, s);
       s = fmaf(qbyte(hi, 2, MG), b.z, s); s = fmaf(qbyte(hi, 3, MG), b.w, s);
-      t[q] = s;
+      t[i] = s;
       if (QW == 3) sx += ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
     }
   }
-  const float s = (t[0] + t[1]) + (t[2] + t[3]);
+  const float s = sum_words<WPL>(t);
   float r = hbits2f(sc & 0xffffu) * s;
   if (QW == 3) r = fmaf(hbits2f(sc >> 16), sx, r);
   return r;
@@ -217,8 +247,9 @@ __device__ __forceinline__ u32 ld_scale(const void* sb, long long blk) {
 template <int NR, int K, int UBM = CFG_UBMAX, bool SMEM = false>
 __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long e,
                                           int nvalid, const float* xs, float* out) {
-  constexpr int NCHK = K / QCW;
-  constexpr int CPL = (NCHK + 31) / 32;
+  constexpr int LPC = qlpc<K>(), WPL = 4 / LPC;   // lanes a chunk, words a lane (slot s: chunk s / LPC)
+  constexpr int NSLOT = K / QCW * LPC;
+  constexpr int CPL = (NSLOT + 31) / 32;
   constexpr int UB0 = UBM / NR;
   constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
   constexpr int CPB = 32 / QCW;   // chunks a block: 2 (Q8_0) or 1
@@ -228,30 +259,41 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
   for (int r = 0; r < NR; ++r) acc[r] = 0.f;
 #pragma unroll
   for (int b0 = 0; b0 < CPL; b0 += UB) {
-    uint4 wv[NR][UB];
+    u32 wv[NR][UB][WPL];
     u32 sc[NR][UB];
 #pragma unroll
     for (int r = 0; r < NR; ++r)
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
-        const int c = (b0 + u) * 32 + lane;
-        if (b0 + u < CPL && c < NCHK && r < nvalid) {
+        const int sl = (b0 + u) * 32 + lane, c = sl / LPC, q0 = sl % LPC * WPL;
+        if (b0 + u < CPL && sl < NSLOT && r < nvalid) {
           const long long er = e + (long long)r * K;
-          wv[r][u] = SMEM ? *reinterpret_cast<const uint4*>(qb + er * QBITS / 8 + (long long)c * 16)
-                          : ldw(qb + er * QBITS / 8 + (long long)c * 16);
+          const unsigned char* src = qb + er * QBITS / 8 + (long long)c * 16 + q0 * 4;
+          if constexpr (!SMEM) {
+            ldw_words<WPL>(src, wv[r][u]);
+          } else if constexpr (WPL == 4) {
+            const uint4 x = *reinterpret_cast<const uint4*>(src);
+            wv[r][u][0] = x.x; wv[r][u][1] = x.y; wv[r][u][2] = x.z; wv[r][u][3] = x.w;
+          } else if constexpr (WPL == 2) {
+            const uint2 x = *reinterpret_cast<const uint2*>(src);
+            wv[r][u][0] = x.x; wv[r][u][1] = x.y;
+          } else {
+            wv[r][u][0] = *reinterpret_cast<const u32*>(src);
+          }
           sc[r][u] = ld_scale<SMEM>(sb, er / 32 + c / CPB);
         } else {
-          wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+          for (int i = 0; i < WPL; ++i) wv[r][u][i] = 0u;
           sc[r][u] = 0u;
         }
       }
 #pragma unroll
     for (int u = 0; u < UB; ++u) {    // chunk by chunk: one chunk's 16-32 inputs live, shared by the rows
-      const int c = (b0 + u) * 32 + lane;
-      if (b0 + u < CPL && c < NCHK) {
-        const float sxc = chunk_xsum<K>(xs, c);
+      const int sl = (b0 + u) * 32 + lane, c = sl / LPC, q0 = sl % LPC * WPL;
+      if (b0 + u < CPL && sl < NSLOT) {
+        const float sxc = chunk_xsum<K, WPL>(xs, c, q0);
 #pragma unroll
-        for (int r = 0; r < NR; ++r) acc[r] += dotq<K>(wv[r][u], sc[r][u], xs, c, sxc);
+        for (int r = 0; r < NR; ++r) acc[r] += dotq_w<K, WPL>(wv[r][u], sc[r][u], xs, c, q0, sxc);
       }
     }
   }

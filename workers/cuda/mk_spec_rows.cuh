@@ -76,8 +76,9 @@ __device__ __forceinline__ void warp_dot_p(const wt* __restrict__ w, int nvalid,
 template <int NR, int K, int UBM, int P>
 __device__ __forceinline__ void warp_dotq_p(const unsigned char* __restrict__ qb, const void* __restrict__ sb,
                                             long long e, int nvalid, const float* xs, float (*out)[NR]) {
-  constexpr int NCHK = K / QCW;
-  constexpr int CPL = (NCHK + 31) / 32;
+  constexpr int LPC = qlpc<K>(), WPL = 4 / LPC;   // warp_dotq's slots: the same sums in the same order
+  constexpr int NSLOT = K / QCW * LPC;
+  constexpr int CPL = (NSLOT + 31) / 32;
   constexpr int UB0 = UBM / NR;
   constexpr int UB = UB0 < 1 ? 1 : (UB0 > CPL ? CPL : UB0);
   constexpr int CPB = 32 / QCW;
@@ -89,33 +90,34 @@ __device__ __forceinline__ void warp_dotq_p(const unsigned char* __restrict__ qb
     for (int r = 0; r < NR; ++r) acc[j][r] = 0.f;
 #pragma unroll
   for (int b0 = 0; b0 < CPL; b0 += UB) {
-    uint4 wv[NR][UB];
+    u32 wv[NR][UB][WPL];
     u32 sc[NR][UB];
 #pragma unroll
     for (int r = 0; r < NR; ++r)
 #pragma unroll
       for (int u = 0; u < UB; ++u) {
-        const int c = (b0 + u) * 32 + lane;
-        if (b0 + u < CPL && c < NCHK && r < nvalid) {
+        const int sl = (b0 + u) * 32 + lane, c = sl / LPC, q0 = sl % LPC * WPL;
+        if (b0 + u < CPL && sl < NSLOT && r < nvalid) {
           const long long er = e + (long long)r * K;
-          wv[r][u] = ldw(qb + er * QBITS / 8 + (long long)c * 16);
+          ldw_words<WPL>(qb + er * QBITS / 8 + (long long)c * 16 + q0 * 4, wv[r][u]);
           sc[r][u] = ld_scale(sb, er / 32 + c / CPB);
         } else {
-          wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+          for (int i = 0; i < WPL; ++i) wv[r][u][i] = 0u;
           sc[r][u] = 0u;
         }
       }
 #pragma unroll
     for (int u = 0; u < UB; ++u) {
-      const int c = (b0 + u) * 32 + lane;
-      if (b0 + u < CPL && c < NCHK) {
+      const int sl = (b0 + u) * 32 + lane, c = sl / LPC, q0 = sl % LPC * WPL;
+      if (b0 + u < CPL && sl < NSLOT) {
         float sxc[P];
 #pragma unroll
-        for (int j = 0; j < P; ++j) sxc[j] = chunk_xsum<K>(xs + j * KMAX, c);
+        for (int j = 0; j < P; ++j) sxc[j] = chunk_xsum<K, WPL>(xs + j * KMAX, c, q0);
 #pragma unroll
         for (int r = 0; r < NR; ++r)
 #pragma unroll
-          for (int j = 0; j < P; ++j) acc[j][r] += dotq<K>(wv[r][u], sc[r][u], xs + j * KMAX, c, sxc[j]);
+          for (int j = 0; j < P; ++j) acc[j][r] += dotq_w<K, WPL>(wv[r][u], sc[r][u], xs + j * KMAX, c, q0, sxc[j]);
       }
     }
   }
