@@ -114,16 +114,16 @@ def task_row(backend, cfg, tok, task: dict, k: int, new_tokens: int, rounds: int
             "identical": all(r.token_ids == plain.token_ids for rs in runs.values() for r in rs)}
 
 
-def plain_default_rows(kind, src, cfg, tok, tasks, rows, threads, new_tokens, rounds, dtype, say) -> None:
-    """A backend made to speculate may compile for other thread counts than its plain build's best
-    (workers.cuda.build.speculating_threads): then each task's plain decode on a backend made without
+def plain_default_rows(kind, src, cfg, tok, tasks, rows, spec_defs, new_tokens, rounds, dtype, say) -> None:
+    """A backend made to speculate may compile other defines than its plain build's best (another thread
+    count: workers.cuda.build.speculating_defines): then each task's plain decode on a backend made without
     speculation too, and the speedup against the faster plain (rows gain plain_default_tokens_per_s)."""
     backend, _ = make_backend(kind, src, num_slots=1, dtype=dtype)
     try:
-        if backend.k.nthreads == threads:
+        if backend.k.defines == spec_defs:
             return
-        say(f"[spec] plain decode on a backend not made to speculate ({backend.k.nthreads} threads a block, "
-            f"the speculating one {threads})")
+        diff = {k: v for k, v in spec_defs.items() if backend.k.defines.get(k) != v}
+        say(f"[spec] plain decode on a backend not made to speculate (the speculating one's builds differ: {diff})")
         for t, row in zip(tasks, rows):
             ids = tok.encode_chat([{"role": "user", "content": t["prompt"]}])
             got = []
@@ -158,11 +158,11 @@ def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: i
                 f"{row['tokens_per_step']:.2f} tokens a pass, identical {row['identical']}")
         first = tok.encode_chat([{"role": "user", "content": tasks[0]["prompt"]}])
         cost = verify_cost(backend, first, cost_reps) if cost_reps > 0 else None
-        threads = getattr(getattr(backend, "k", None), "nthreads", None)
+        spec_defs = getattr(getattr(backend, "k", None), "defines", None)
     finally:
         backend.close()
-    if threads is not None:
-        plain_default_rows(kind, src, cfg, tok, tasks, rows, threads, new_tokens, rounds, dtype, say)
+    if spec_defs is not None:
+        plain_default_rows(kind, src, cfg, tok, tasks, rows, spec_defs, new_tokens, rounds, dtype, say)
     return {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "dtype": dtype, "k": k,
             "max_new_tokens": new_tokens, "rounds": rounds, "rows": rows, "verify_cost": cost,
             "speculating": any(r["spec_steps"] for r in rows)}
@@ -181,7 +181,7 @@ def table(report: dict) -> str:
                    f"{r['tokens_per_pass_all']:.2f} | "
                    f"{r['accepted']}/{r['drafted']} | {r['identical']} |")
     if any("plain_default_tokens_per_s" in r for r in report["rows"]):
-        out.append("plain decode on a backend not made to speculate (its own thread count): " + ", ".join(
+        out.append("plain decode on a backend not made to speculate (its own defines): " + ", ".join(
             f"{r['task']} {r['plain_default_tokens_per_s']:.1f} tok/s (ids the same: {r['plain_default_identical']}), "
             f"speculative {r['speedup_vs_best_plain']:.2f}x the faster plain" for r in report["rows"] if "plain_default_tokens_per_s" in r))
     if not report.get("speculating"):

@@ -202,6 +202,11 @@ def test_one_lane_builds_choose_the_copy_and_the_block_size_by_storage():
     spec = {s: one_lane_units(shape_config(s), None, "BF16", 132, spec=True).get("CFG_NT", 512)
             for s in ("smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b")}
     assert spec == {"smollm2-135m": 384, "qwen2.5-0.5b": 384, "llama3.2-1b": 512}
+    from workers.cuda.build import speculating_defines
+    smol = shape_config("smollm2-135m")
+    assert speculating_defines(smol, "BF16", 132) == {"CFG_NT": 384}
+    assert speculating_defines(smol, "Q4_1", 132) == {"CFG_NT": 384, "CFG_QLPC": 1}   # a chunk a lane
+    assert speculating_defines(shape_config("llama3.2-1b"), "BF16", 132) == {"CFG_NT": 512}
 
 
 def test_quantized_one_lane_build_compiles(tmp_path):

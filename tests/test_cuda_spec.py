@@ -58,7 +58,7 @@ def _cfg(over):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from workers.cuda.build import prebuild, spec_positions, speculating_threads
+    from workers.cuda.build import prebuild, spec_positions, speculating_defines
     out = {}
     for name, (over, dt) in MODELS.items():
         d = str(tmp_path_factory.mktemp(name))
@@ -71,10 +71,9 @@ def models(tmp_path_factory):
     for over, dt in MODELS.values():
         sp = spec_positions(_cfg(over), dt, 132)
         items += [(_cfg(over), dt), (_cfg(over), dt, sp)]
-        nt = speculating_threads(_cfg(over), dt, 132)
-        if nt != 512:   # a speculating backend's two builds
-            sps = spec_positions(_cfg(over), dt, 132, nthreads=nt)
-            items += [(_cfg(over), dt, 0, {"CFG_NT": nt}), (_cfg(over), dt, sps, {"CFG_NT": nt})]
+        sd = speculating_defines(_cfg(over), dt, 132)   # a speculating backend's two builds
+        sps = spec_positions(_cfg(over), dt, 132, nthreads=sd["CFG_NT"])
+        items += [(_cfg(over), dt, 0, sd), (_cfg(over), dt, sps, sd)]
     prebuild(items)
     return out
 
@@ -108,7 +107,7 @@ def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name, specul
     """Greedy, 128 tokens after a prompt that holds much of what the model will say: the ids with speculation
     (k = 8) are the plain kernel's, the logits of every token given are the plain kernel's bit for bit, and
     drafts were accepted. fp32 storage: the ids are also the numpy engine's. Both for a backend made
-    without speculation and for one made to speculate (both builds at its thread count: 384 for most here)."""
+    without speculation and for one made to speculate (both builds with its defines: 384 threads for most here, a chunk a lane for Q4_1)."""
     over, dt = MODELS[name]
     b = _backend(models[name], dt, speculative=speculating)
     if speculating:

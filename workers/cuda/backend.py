@@ -89,7 +89,7 @@ class CudaBackend(Backend):
     `dtype`: the storage (weights.split_dtype: BF16, F16, F32, Q8_0, Q4_0, Q4_1, Q4_0:F32, ...); None: the
     checkpoint's own (weights.default_dtype). `speculative`: the backend will serve speculative requests
     (a server's default): both builds take the thread count that suits the verify passes
-    (build.speculating_threads); without it a speculative request still runs, on the plain build's."""
+    (build.speculating_defines); without it a speculative request still runs, on the plain build's."""
 
     def __init__(self, model=None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
@@ -142,12 +142,12 @@ class CudaBackend(Backend):
                 raise ValueError("the cuda backend runs all lanes on one rank unless given a kccl cuda_ipc "
                                  "communicator of several ranks")
         if speculative and self.nranks == 1 and self.cfg.num_lanes == 1:
-            from .build import speculating_threads
-            extra_defines = {"CFG_NT": speculating_threads(self.cfg, dtype, nblocks), **(extra_defines or {})}
+            from .build import speculating_defines
+            extra_defines = {**speculating_defines(self.cfg, dtype, nblocks), **(extra_defines or {})}
         self.k = build(self.cfg, dtype, nblocks, prefetch, progress=progress is not False, extra=extra_defines,
                        nranks=self.nranks, marks=timing_marks)
-        # the speculative build runs the plain build's thread count: the same sums in the same order, so a
-        # verify pass gives the plain step's bits
+        # the speculative build runs the plain build's thread count and row loops: the same sums in the same
+        # order, so a verify pass gives the plain step's bits
         self._spec_build = (dtype, prefetch, {**(extra_defines or {}), "CFG_NT": self.k.nthreads},
                             progress is not False)
         self.ks = self.sbuf = None      # the speculative build and its buffers, made at the first such request
