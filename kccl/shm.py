@@ -18,6 +18,7 @@ import errno
 import mmap
 import os
 import signal
+import time
 import weakref
 
 SHM_DIR = os.environ.get("KCCL_SHM_DIR", "/dev/shm")
@@ -112,6 +113,70 @@ def unlink_mpich_segments() -> None:
     for path in {x[5] for x in fields if len(x) == 6 and x[5].startswith("/dev/shm/mpich_shm_")}:
         unlink_quietly(path)
 
+
+
+def _mapped_by() -> dict[str, set[int]]:
+    """/dev/shm/mpich_shm_* path -> the pids that map it (processes whose maps cannot be read are skipped)."""
+    out: dict[str, set[int]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    x = line.split()
+                    if len(x) == 6 and x[5].startswith("/dev/shm/mpich_shm_"):
+                        out.setdefault(x[5], set()).add(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def sweep_mpich_segments(since: float, job_session: int | None = None, wait_s: float = 2.0) -> list[str]:
+    """After an MPICH job has ended: unlink the node segments (/dev/shm/mpich_shm_*) of this user made
+    since `since` (time.time()) that no process maps any more. A rank killed before every rank is past
+    MPI_Init (so before unlink_mpich_segments could run) leaves its job's segment named; only the
+    launcher outlives that. A segment still mapped by a process of `job_session` (the job's ranks, exiting)
+    is waited for up to `wait_s`; one mapped by anything else (another job) is left alone."""
+    uid = os.getuid()
+    cands = []
+    try:
+        names = os.listdir("/dev/shm")          # MPICH's folder, whatever KCCL_SHM_DIR says
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join("/dev/shm", name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if name.startswith("mpich_shm_") and st.st_uid == uid and st.st_mtime >= since - 1.0:
+            cands.append(path)
+    removed, deadline = [], time.monotonic() + wait_s
+    while cands:
+        maps = _mapped_by()
+        later = []
+        for path in cands:
+            users = maps.get(path, set())
+            if not users:
+                unlink_quietly(path)
+                removed.append(path)
+            elif job_session is not None and any(_session(q) == job_session for q in users):
+                later.append(path)
+        cands = later
+        if not cands or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return removed
+
+
+def _session(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[3])   # field 6 (session)
+    except (OSError, ValueError, IndexError):
+        return -1
 
 # ---- liveness ---------------------------------------------------------------------------------
 

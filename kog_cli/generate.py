@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from kccl.shm import sweep_mpich_segments
 from kog_dist.formats import open_model
 from kog_dist.tokenizer import load_tokenizer
 from launch.cli import LaunchError, build_command, detect
@@ -60,6 +61,7 @@ def run_under_mpiexec(a) -> int:
     except LaunchError as e:
         raise ValueError(f"--np needs an MPI launcher: {e}") from None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.time()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc), sys.exit(143)))
     try:
@@ -73,6 +75,7 @@ def run_under_mpiexec(a) -> int:
         return 130
     finally:
         _kill_group(proc)
+        sweep_mpich_segments(started, job_session=proc.pid)   # a rank killed while starting left one
         signal.signal(signal.SIGTERM, previous)
 
 

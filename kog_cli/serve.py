@@ -23,6 +23,7 @@ import time
 
 from kog_dist import protocol as P
 from kccl.mpirun import signal_job
+from kccl.shm import sweep_mpich_segments
 from launch.cli import LaunchError, build_command, detect, free_port
 
 from .generate import _die_with_parent
@@ -148,8 +149,10 @@ def rank_command(a, control: str) -> tuple[list[str], str | None]:
 def start_ranks(cmd: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # a session of its own: the terminal's Ctrl-C reaches kog serve only, which then stops the ranks
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_die_with_parent)
+    proc.started = time.time() - 1.0
+    return proc
 
 
 def stop_ranks(proc: subprocess.Popen, kind: str | None = None, grace_s: float = 15.0) -> int | None:
@@ -167,6 +170,8 @@ def stop_ranks(proc: subprocess.Popen, kind: str | None = None, grace_s: float =
         t = time.monotonic() + wait
         while proc.poll() is None and time.monotonic() < t:
             time.sleep(0.05)
+    if proc.poll() is not None:   # a rank killed while starting left MPICH's segment named
+        sweep_mpich_segments(getattr(proc, "started", time.time()), job_session=proc.pid)
     return proc.poll()
 
 

@@ -163,6 +163,51 @@ def test_killed_rank_ends_the_job_cleanly(tmp_path):
     assert shm_entries() - before == set()
 
 
+
+def test_rank_killed_while_starting_leaves_no_mpich_segment(tmp_path):
+    """A rank SIGKILLed before it reaches MPI_Init: the others have made MPICH's node segment and wait in
+    MPI_Init, so no rank ever drops its name (workers/job.py does once all are past it); kog generate
+    sweeps it when the job has ended (kccl.shm.sweep_mpich_segments)."""
+    d = str(tmp_path / "m")
+    write_tiny_checkpoint(d, **SHAPE)
+    before = shm_entries()
+    p = subprocess.Popen([sys.executable, "-m", "kog_cli", "generate", "--np", "4", "--model", d,
+                          "--prompt-ids", "1,2,3", "-n", "4", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(),
+                         start_new_session=True)
+    try:
+        victim, made = None, set()
+        deadline = time.time() + 60
+        while not made and time.time() < deadline:
+            if victim is None:
+                for pid in _ranks_of(p.pid):
+                    if _environ(pid).get("PMI_RANK") not in (None, "0"):
+                        os.kill(pid, signal.SIGSTOP)      # held before MPI_Init (it is still importing)
+                        victim = pid
+                        break
+            made = {e for e in shm_entries() - before if "/mpich_shm_" in e}
+            time.sleep(0.02)
+        assert victim and made, "the other ranks never made MPICH's segment"
+        time.sleep(0.5)
+        assert all(os.path.exists(e) for e in made)      # nobody could drop it: the victim is not in
+        os.kill(victim, signal.SIGKILL)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0 and "Traceback" not in err, err
+    time.sleep(0.5)
+    assert _ranks_of(p.pid) == []
+    assert shm_entries() - before == set()
+
+
+def _environ(pid):
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
 def _ranks_of(root):
     """pids of the `python -m workers` processes descending from `root`."""
     parent = {}
