@@ -109,10 +109,9 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
   float* wl = wm + NW * G;               // [NW][G]
   const float scale = 1.0f / sqrtf((float)HD);
   const int ch = lane % VCH;
-  int waited = -1, ia, ib, nj;
-  att_items(i, t, ua, ub, ia, ib, nj);
-  for (int u = ia; u < ib; ++u) {
-    const int g = u / nj, c = u % nj, l = g / KVL;
+  int waited = -1;
+  for (int u = ua; u < ub; ++u) {
+    const int g = u / NCH, c = u % NCH, l = g / KVL;
     int cs, ce;
     att_chunk(i, t, c, cs, ce);
     if (ce <= cs) continue;                 // a chunk not in use at this position (its unit still counts)
@@ -127,7 +126,7 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
       waited = l;
     }
     __syncthreads();
-    if (u == ia) tmark(p, n, ph, 1);
+    if (u == ua) tmark(p, n, ph, 1);
     if (j0 <= t && t < j0 + PPW) att_load(kb, vb, j0, ce, -1, t, cur);
     for (int x = threadIdx.x; x < G * HD; x += NT) sq[x] = ldf(p.q + (long long)g * G * HD + x);
     __syncthreads();

@@ -174,28 +174,14 @@ __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce)
   cs = lo + c * CH;
   ce = min(cs + CH, t + 1);
 }
-// the block's attention items [ia, ib) at position t of layer i, item u = kv head u / nj, chunk u % nj: its
-// units [ua, ub) (nj = NCH, chunks not in use included) or, ATT_SPREAD, its share of the chunks in use
-// (as the verify pass spreads them: mk_spec.cuh)
-__device__ __forceinline__ void att_items(int i, int t, int ua, int ub, int& ia, int& ib, int& nj) {
-  ia = ua; ib = ub; nj = NCH;
-  if constexpr (ATT_SPREAD) {
-    int lo, CH;
-    nj = att_split(i, t, lo, CH);
-    const int W = KV * nj;
-    ia = (int)((long long)ua * W / U_ATT);
-    ib = (int)((long long)ub * W / U_ATT);
-  }
-}
 // at the end of QKV's rows: the cached keys and values the block's attention units will read, into L2
 __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
-  int aa, ab, ia, ib, nj;
+  int aa, ab;
   brange(U_ATT, aa, ab);
-  att_items(i, t, aa, ab, ia, ib, nj);
-  for (int u = ia; u < ib; ++u) {
-    const int g = u / nj;
+  for (int u = aa; u < ab; ++u) {
+    const int g = u / NCH;
     int cs, ce;
-    att_chunk(i, t, u % nj, cs, ce);
+    att_chunk(i, t, u % NCH, cs, ce);
     if (ce <= cs) continue;
     const long long off = (((long long)i * KV + g) * p.max_seq + cs) * HD;
     prefetch_l2(p.kc + off, (long long)(ce - cs) * HD * sizeof(wt), PF_KV);

@@ -37,10 +37,6 @@ constexpr int KC = VCH / KL, PPW = 32 / KL;                     // its chunks a 
 // made the merge a large part of a layer). With several lanes every chunk (the 2B shape's 8 a kv head)
 // is in use, as before: fewer there measured neutral (docs/monokernel.md, "One lane").
 constexpr int ATT_MINPOS = CFG_ATT_MINPOS > 0 ? CFG_ATT_MINPOS : (L == 1 ? NW * PPW / 2 : 1);
-#ifndef CFG_ATT_SPREAD
-#define CFG_ATT_SPREAD 0   // one lane: the chunks in use spread over all blocks (0: unit u = kv head * NCH + chunk)
-#endif
-constexpr bool ATT_SPREAD = CFG_ATT_SPREAD != 0 && L == 1;   // one counter: any block may write any chunk
 constexpr int UPL_QKV = RQKV / 2, U_QKV = L * UPL_QKV;
 constexpr int UPL_ATT = KVL * NCH, U_ATT = KV * NCH;
 constexpr int NR_WO = (D % CFG_NR_WO == 0) ? CFG_NR_WO : 4, UPL_WO = D / NR_WO, U_WO = L * UPL_WO;
