@@ -126,3 +126,36 @@ def test_spills_by_file_maps_the_kernel_source_and_counts_local_traffic():
         "        /*0030*/                   LDG.E.128.CONSTANT R8, desc[UR4][R10.64] ;",
     ])
     assert S.attribute(files, sass) == {"mk_wo.cuh": [2, 1, 0], "mk_qkv.cuh": [2, 0, 1]}
+
+
+def test_block_lateness_names_the_late_block_and_its_step():
+    """bench/block_lateness.py: in marks where block 7 enters every phase 2 us late and block 3 runs its rows
+    1 us longer in QKV only, QKV's last block is 7 (entry +2), 3 comes second, and attention (no stage or rows
+    marks) is reported without a breakdown."""
+    import numpy as np
+    sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+    import block_lateness as B
+    layers, nb = 4, 16
+    t = np.zeros((5 * layers, nb, 5), dtype=np.int64)
+    for i in range(layers):
+        for k in range(5):
+            m = t[5 * i + k]
+            base = 100_000 * (5 * i + k)
+            m[:, 0] = base                      # entry
+            m[:, 1] = base + 1_000              # after the wait
+            m[:, 3] = base + 1_500              # staged
+            m[:, 4] = base + 2_500              # rows done
+            m[:, 2] = base + 3_000              # end
+            m[7] += 2_000                       # block 7 is late into everything, by its entry
+            if k == 0:
+                m[3, 4] += 1_000; m[3, 2] += 1_000   # block 3's QKV rows take 1 us longer
+            if k == 1:
+                m[:, 3:5] = 0                   # attention has no stage / rows marks
+    out = B.lateness(t, layers, top=2)
+    qkv = [ln for ln in out.split("\n") if ln.startswith("qkv:")][0]
+    assert "late on average (block: us) 7: 2.00, 3: 1.00" in qkv and "last most often 7 x4" in qkv
+    first = out.split("\n")[1]
+    assert first.strip().startswith("the last block against the median") and "entry +2.00" in first
+    assert "rows +0.00" in first and "wait +0.00" in first
+    att_i = out.split("\n").index([ln for ln in out.split("\n") if ln.startswith("att:")][0])
+    assert not out.split("\n")[att_i + 1].strip().startswith("the last block")
