@@ -13,7 +13,7 @@ import pytest
 
 from kccl import Communicator, KcclError, KcclTimeout, PeerLost
 from kccl import layout as L
-from kccl.shm import process_alive, process_starttime
+from kccl.shm import process_alive, process_starttime, sweep_mpich_segments
 from kccl.wait import BackoffPolicy, default_policy, wait_until
 
 FAST = BackoffPolicy(spin_s=0.0, yield_s=0.0, max_sleep_s=1e-3, check_interval_s=0.02)
@@ -128,6 +128,41 @@ def test_process_alive_sees_exit_and_pid_reuse():
     child.wait()
     assert not process_alive(child.pid)
 
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_sweep_drops_only_unmapped_mpich_segments_of_the_job():
+    """kccl.shm.sweep_mpich_segments, as the launchers call it after a job: a segment made since the job
+    started and mapped by nobody goes; one still mapped by a process of the job's session is waited for
+    (wait_s) and kept while mapped, then goes once that process has exited; one older than the job stays;
+    files not named mpich_shm_* are never looked at."""
+    tag = f"{os.getpid()}_{time.time_ns()}"
+    old, fresh, held = (f"/dev/shm/mpich_shm_kogtest_{tag}_{k}" for k in ("old", "fresh", "held"))
+    other = f"/dev/shm/kogtest_{tag}_notmpich"
+    for f in (old, fresh, held, other):
+        with open(f, "wb") as fh:
+            fh.write(b"\0" * 4096)
+    os.utime(old, (time.time() - 600, time.time() - 600))
+    since = time.time() - 5
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); "
+                               "m = mmap.mmap(f.fileno(), 4096); print('mapped', flush=True); time.sleep(60)", held],
+                              stdout=subprocess.PIPE, text=True)     # in this session: "the job's"
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        t0 = time.monotonic()
+        assert sweep_mpich_segments(since, job_session=os.getsid(0), wait_s=0.3) == [fresh]
+        assert time.monotonic() - t0 >= 0.3                          # it waited for the holder
+        assert os.path.exists(old) and os.path.exists(held) and os.path.exists(other)
+        holder.kill()
+        holder.wait()
+        assert sweep_mpich_segments(since, job_session=os.getsid(0), wait_s=0.3) == [held]
+        assert os.path.exists(old) and os.path.exists(other)
+    finally:
+        holder.kill()
+        holder.wait()
+        for f in (old, fresh, held, other):
+            if os.path.exists(f):
+                os.unlink(f)
 
 # ---- protocol on an in-process group -----------------------------------------------------------
 
