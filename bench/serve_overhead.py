@@ -233,6 +233,23 @@ def main(argv=None):
         q = [statistics.quantiles([gi[k] - di[k] for di, gi in zip(d, g)], n=4) for k in (0, 1)]
         print(f"{'  middle half':<20} {q[0][0]:>+.2f}..{q[0][2]:<+.2f} {q[1][0]:>+.3f}..{q[1][2]:+.3f}   "
               f"(the paired differences' quartiles)")
+        ci = [median_interval([gi[k] - di[k] for di, gi in zip(d, g)]) for k in (0, 1)]
+        print(f"{'  95% interval':<20} {ci[0][0]:>+.2f}..{ci[0][1]:<+.2f} {ci[1][0]:>+.3f}..{ci[1][1]:+.3f}   "
+              f"({100 * ci[1][0] / base:+.2f}%..{100 * ci[1][1] / base:+.2f}% per token: the median's, "
+              f"bootstrapped over the pairs)")
+
+
+def median_interval(xs, level=0.95, rounds=2000, seed=0):
+    """A bootstrap interval of the median of xs (the pairs resampled with replacement, a fixed seed): the
+    bound a run can show, which narrows with the square root of the pairs."""
+    import random
+    rng = random.Random(seed)
+    n = len(xs)
+    meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(rounds))
+    lo = meds[int((1 - level) / 2 * rounds)]
+    hi = meds[min(rounds - 1, int((1 + level) / 2 * rounds))]
+    return lo, hi
+
 
 if __name__ == "__main__":
     main()
