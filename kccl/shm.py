@@ -106,13 +106,17 @@ def unlink_mpich_segments() -> None:
     name. Open MPI's segment is left alone (its finalize unlinks the name and complains when it is gone).
     Another rank of the node may have dropped a name first."""
     try:
-        with open("/proc/self/maps") as f:
-            fields = [line.split() for line in f]
+        paths = _mpich_paths("/proc/self/maps")
     except OSError:
         return
-    for path in {x[5] for x in fields if len(x) == 6 and x[5].startswith("/dev/shm/mpich_shm_")}:
+    for path in paths:
         unlink_quietly(path)
 
+
+def _mpich_paths(maps: str) -> set[str]:
+    """The MPICH node segments (/dev/shm/mpich_shm_*, still named) a /proc/PID/maps file lists."""
+    with open(maps) as f:
+        return {x[5] for x in (line.split() for line in f) if len(x) == 6 and x[5].startswith("/dev/shm/mpich_shm_")}
 
 
 def _mapped_by() -> dict[str, set[int]]:
@@ -122,11 +126,8 @@ def _mapped_by() -> dict[str, set[int]]:
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    x = line.split()
-                    if len(x) == 6 and x[5].startswith("/dev/shm/mpich_shm_"):
-                        out.setdefault(x[5], set()).add(int(pid))
+            for path in _mpich_paths(f"/proc/{pid}/maps"):
+                out.setdefault(path, set()).add(int(pid))
         except OSError:
             pass
     return out
@@ -170,38 +171,40 @@ def sweep_mpich_segments(since: float, job_session: int | None = None, wait_s: f
     return removed
 
 
-def _session(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[3])   # field 6 (session)
-    except (OSError, ValueError, IndexError):
-        return -1
-
 # ---- liveness ---------------------------------------------------------------------------------
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat after the command name (fields[0] is field 3, the state); OSError where unreadable."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rindex(b")") + 2:].split()
+
 
 def process_starttime(pid: int) -> int:
     """The process start time (clock ticks since boot) from /proc, 0 where /proc is unavailable."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        return int(_stat_fields(pid)[19])  # field 22 of stat
     except OSError:
         return 0
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return int(fields[19])  # field 22 of stat; fields[0] is field 3 (state)
+
+
+def _session(pid: int) -> int:
+    """The session of `pid` (field 6 of stat), -1 where unknown."""
+    try:
+        return int(_stat_fields(pid)[3])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def process_alive(pid: int, starttime: int = 0) -> bool:
     """False when `pid` is gone, a zombie, or a different process that reused the pid."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return False
     except OSError:
-        stat = None
-    if stat is not None:
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = None
+    if fields is not None:
         if fields[0] in (b"Z", b"X", b"x"):
             return False
         return not starttime or int(fields[19]) == starttime

@@ -151,7 +151,7 @@ def start_ranks(cmd: list[str]) -> subprocess.Popen:
     # a session of its own: the terminal's Ctrl-C reaches kog serve only, which then stops the ranks
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_die_with_parent)
-    proc.started = time.time() - 1.0
+    proc.started = time.time()   # stop_ranks sweeps MPICH's segments made since
     return proc
 
 
@@ -171,7 +171,7 @@ def stop_ranks(proc: subprocess.Popen, kind: str | None = None, grace_s: float =
         while proc.poll() is None and time.monotonic() < t:
             time.sleep(0.05)
     if proc.poll() is not None:   # a rank killed while starting left MPICH's segment named
-        sweep_mpich_segments(getattr(proc, "started", time.time()), job_session=proc.pid)
+        sweep_mpich_segments(proc.started, job_session=proc.pid)
     return proc.poll()
 
 

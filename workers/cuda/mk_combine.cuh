@@ -156,12 +156,9 @@ __device__ void mr_final(const Params& p, int n, int tok, float* red, float* y) 
 }
 #endif
 
-// bytes of keys (and of values) per attention unit asked of L2 at the end of QKV's rows (off measured
+// bytes of keys (and of values) per attention unit asked of L2 as QKV's rows begin (off measured
 // slower: docs/monokernel.md, third session)
 constexpr int PF_KV = 65536;
-#ifndef CFG_KVPF
-#define CFG_KVPF 2   // when QKV asks for them: 0 after its rows, 1 after its signal, 2 before its rows (measured best)
-#endif
 // the attention chunks at position t of layer i: the first position lo, positions a chunk CH; returns the
 // chunks with positions (attention writes those, WO merges those)
 __device__ __forceinline__ int att_split(int i, int t, int& lo, int& CH) {
@@ -177,7 +174,7 @@ __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce)
   cs = lo + c * CH;
   ce = min(cs + CH, t + 1);
 }
-// at the end of QKV's rows: the cached keys and values the block's attention units will read, into L2
+// as QKV's rows begin: the cached keys and values the block's attention units will read, into L2
 __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
   int aa, ab;
   brange(U_ATT, aa, ab);
