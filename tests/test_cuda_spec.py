@@ -135,6 +135,35 @@ def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name, specul
         assert i is None, f"{name}: token {i} differs from the numpy engine's"
 
 
+@pytest.mark.parametrize("speculating", [False, True], ids=["plain_backend", "speculating_backend"])
+def test_speculative_many_chunks_is_the_plain_decode_bit_for_bit(models, speculating):
+    """Attention in many position chunks (CFG_ATT_MINPOS 3: more than 8 a kv head past 24 positions, 44 past
+    132, as SmolLM2 has at a 3968-token context): WO merges more than 8 of them in groups of threads (mk_layout.cuh MG) and the
+    verify pass's last chunk block merges them in the same groups, so the logits of every token given are
+    still the plain kernel's bit for bit and the ids the numpy engine's."""
+    name = "hd64_h9kv3_tied_bias"
+    b = _backend(models[name], "F32", extra={"CFG_ATT_MINPOS": 3}, speculative=speculating)
+    try:
+        prompt = _echo_prompt(b)
+        plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
+        spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
+    finally:
+        b.close()
+    i = _first_diff(spec.token_ids, plain.token_ids)
+    assert i is None, f"first difference at token {i}"
+    bad = np.nonzero((ls != lp).any(axis=1))[0]
+    assert bad.size == 0, f"logits of tokens {bad[:8]} differ (max {np.abs(ls - lp).max():.3e})"
+    assert spec.spec_steps > 0 and spec.spec_accepted > 0, spec.stats()
+    m = Model(models[name], progress=False)
+    eng = ReferenceEngine(m.cfg, m.weights, m.embed)
+    lg, ref = eng.prefill(prompt), []
+    for _ in range(GEN):
+        ref.append(int(np.argmax(lg)))
+        lg = eng.step(ref[-1])
+    i = _first_diff(plain.token_ids, ref)
+    assert i is None, f"token {i} differs from the numpy engine's"
+
+
 def test_speculative_sampling_draws_the_plain_tokens(models):
     """Sampled (temperature, top-p, seed): each position's token is the plain sampler's draw at its counter,
     so the ids with speculation are the plain run's; another seed gives other ids."""

@@ -86,6 +86,23 @@ constexpr int SM_LM = D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
 constexpr int CB_OFF = cmax(SM_STAGE, SM_ATT);   // WO / W2 combine staging: clear of attention's scratch
 constexpr int SM_MAIN = cmax(CB_OFF + 2 * CB_ROWS, SM_LM) + 16 * 8 + 16;
+// WO's merge of more than 8 attention chunks (long contexts, one lane): MG groups of threads, each merging a
+// contiguous share of the chunks in batches of 8, then group 0 combines the groups' (acc, m, l) through
+// shared memory (after the block's HDL staged floats, clear of CB_OFF): 44 chunks (SmolLM2 at 3968
+// positions) take 2 dependent L2 round trips a thread at MG 3 instead of 6. spec_att's merge of a verify
+// pass takes the same groups and shares, so a pass keeps the plain step's bits. CFG_WO_MG 1: one group.
+#ifndef CFG_WO_MG
+#define CFG_WO_MG 4
+#endif
+constexpr int MG_FIT = (CB_OFF - HDL) / (8 * (HDL / 4)) + 1;
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+constexpr int MG = L == 1 ? cmax(1, cmin(CFG_WO_MG, cmin(NT / (HDL / 4), MG_FIT))) : 1;
+// the share [ca, cb) of the nch chunks that merge group gi takes
+__device__ __forceinline__ void mg_share(int nch, int gi, int& ca, int& cb) {
+  const int per = (nch + MG - 1) / MG;
+  ca = min(nch, gi * per);
+  cb = min(nch, ca + per);
+}
 // stage_norms2 (a block's QKV and W13 units span at most 2 lanes): the norm weights of its lanes in
 // shared memory, copied before the block waits for the residual (docs/monokernel.md, third session);
 // otherwise (one lane, or blocks spanning more lanes) stage_norms
