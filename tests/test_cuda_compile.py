@@ -140,7 +140,7 @@ def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
     """backend.counter_lines (the hang report) finds the phase counters, the ticket, the token word and the
     cancel word where mk_layout.cuh puts them, and decodes the token word {n + 1, stop, token}."""
     from kog_dist.shapes import shape_config
-    from workers.cuda.backend import counter_lines
+    from workers.cuda.backend import CTR_STRIDE, counter_lines
     from workers.cuda.build import defines
     prog = tmp_path / "ctr.cu"
     prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n'
@@ -152,6 +152,7 @@ def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     nctr, stride, ticket, tokval, cancel = map(int, subprocess.run([str(exe)], capture_output=True, text=True,
                                                                    check=True).stdout.split())
+    assert stride == CTR_STRIDE
     lanes = 8
     ctr = np.zeros(nctr, np.uint64)
     ctr[3 * lanes * stride + 5 * stride] = 77                       # w13 of lane 5

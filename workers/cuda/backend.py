@@ -70,11 +70,14 @@ class _Mapped:
             self.ptr = 0
 
 
+CTR_STRIDE = 16   # mk_layout.cuh: u64 words between counters
+
+
 def counter_lines(ctr: np.ndarray, lanes: int) -> list[str]:
     """The monokernel's counters as the hang report prints them. mk_layout.cuh: 5 phases x lanes, then the
     sampler's ticket, C_TOKEN and C_STOP (written, read by no kernel code), the token word {n + 1, stop,
     token} and the cancel word, each CTR_STRIDE words apart."""
-    c = np.asarray(ctr, np.uint64)[::len(ctr) // (5 * lanes + 5)]
+    c = np.asarray(ctr, np.uint64)[::CTR_STRIDE][:5 * lanes + 5]   # attention's tickets may follow
     out = [f"  {name}: {[int(v) for v in c[ph * lanes:(ph + 1) * lanes]]}"
            for ph, name in enumerate(("qkv", "att", "wo", "w13", "w2"))]
     w = int(c[5 * lanes + 2])

@@ -175,6 +175,11 @@ __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce)
   ce = min(cs + CH, t + 1);
 }
 // as QKV's rows begin: the cached keys and values the block's attention units will read, into L2
+// (CFG_KVPF_W2 1: layer i + 1's at the start of layer i's W2, a phase earlier; QKV asks for layer 0's)
+#ifndef CFG_KVPF_W2
+#define CFG_KVPF_W2 0
+#endif
+constexpr bool KVPF_W2 = CFG_KVPF_W2;
 __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
   int aa, ab;
   brange(U_ATT, aa, ab);
