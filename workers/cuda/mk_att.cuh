@@ -88,101 +88,7 @@ __device__ __forceinline__ void att_pass(const AttRows& r, const float* sq, int 
   }
 }
 
-// ---- the chunks' merge, once a kv head, by the block that ends its chunks last ----------------------
-// With more than ATT_MB chunks in use (long contexts: SmolLM2 has 44 a kv head at 3968 positions), WO's merge
-// in every block read all chunks' partials of all heads from L2 (108 KB a block and layer there), so instead
-// the block whose ticket is a kv head's last merges that head group's chunks once, into p.q (free then: every
-// chunk's block has read its q), and WO stages that. spec_att's verify pass merges every position this way.
-__device__ __forceinline__ u32 ticket_add(u32* p) {
-  u32 v;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-constexpr int ATT_MB = NCH < 8 ? NCH : 8;   // chunks a batch of loads (a thread's loads in flight together)
-static_assert(HD % 4 == 0 && G * HD / 4 <= NT, "four elements of a head a thread, a head group in one round");
-constexpr int QA = G * HD / 4;              // threads of a merge group: four elements of a head group each
-// groups, each a share of the chunks, combined by group 0 through the attention scratch (NW G HD floats)
-constexpr int MA = cmax(1, cmin(8, cmin(NT / QA, NW / 2 + 1)));
-// the chunks [ca, cb) of elements x .. x + 3 (of G HD) of kv head g's query heads in src ([KV][NCH][G][ATTP])
-// merged into (M, Ls, A): ATT_MB chunks a batch, one rescale a batch
-__device__ __forceinline__ void merge_range(const float* src, int g, int x, int ca, int cb, float& M, float& Ls,
-                                            float4& A) {
-  const int hg = x / HD, d = x % HD;
-  const float* a = src + ((long long)g * NCH * G + hg) * ATTP;
-  for (int c0 = ca; c0 < cb; c0 += ATT_MB) {
-    float2 ml[ATT_MB];
-    float4 ac[ATT_MB];
-#pragma unroll
-    for (int k = 0; k < ATT_MB; ++k) {
-      const float* ach = a + (long long)(c0 + k) * G * ATTP;
-      const bool in = c0 + k < cb;
-      ml[k] = in ? __ldcg(reinterpret_cast<const float2*>(ach + HD)) : make_float2(-1e30f, 0.f);
-      ac[k] = in ? __ldcg(reinterpret_cast<const float4*>(ach + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    float Mb = M;
-#pragma unroll
-    for (int k = 0; k < ATT_MB; ++k) Mb = fmaxf(Mb, ml[k].x);
-    const float r = expf(M - Mb);
-    A.x *= r; A.y *= r; A.z *= r; A.w *= r; Ls *= r;
-#pragma unroll
-    for (int k = 0; k < ATT_MB; ++k) {
-      const float e = expf(ml[k].x - Mb);
-      A.x += ac[k].x * e; A.y += ac[k].y * e; A.z += ac[k].z * e; A.w += ac[k].w * e;
-      Ls += ml[k].y * e;
-    }
-    M = Mb;
-  }
-}
-// kv head g's nj chunks in src merged into dst[g G HD ..] (A / Ls); more than ATT_MB chunks: MA groups
-// (scratch: (MA - 1) QA 8 floats), else group 0 alone (the arithmetic of WO's merge, phase_wo)
-__device__ __noinline__ void att_merge(const float* src, float* dst, int g, int nj, float* scratch) {
-  const bool grouped = MA > 1 && nj > ATT_MB;
-  const int gi = threadIdx.x / QA, q = threadIdx.x % QA, ng = grouped ? MA : 1;
-  const int per = (nj + ng - 1) / ng, ca = min(nj, gi * per), cb = min(nj, ca + per);
-  float M = -1e30f, Ls = 0.f;
-  float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (gi < ng) merge_range(src, g, 4 * q, ca, cb, M, Ls, A);
-  if (grouped) {
-    if (gi > 0 && gi < ng) {
-      float* gp = scratch + ((gi - 1) * QA + q) * 8;
-      *reinterpret_cast<float4*>(gp) = A;
-      *reinterpret_cast<float2*>(gp + 4) = make_float2(M, Ls);
-    }
-    __syncthreads();
-    if (gi == 0) {
-      float Mt = M;
-      for (int gj = 1; gj < ng; ++gj) Mt = fmaxf(Mt, scratch[((gj - 1) * QA + q) * 8 + 4]);
-      const float r = expf(M - Mt);
-      A.x *= r; A.y *= r; A.z *= r; A.w *= r; Ls *= r;
-      for (int gj = 1; gj < ng; ++gj) {
-        const float* gq = scratch + ((gj - 1) * QA + q) * 8;
-        const float4 Ag = *reinterpret_cast<const float4*>(gq);
-        const float e = expf(gq[4] - Mt);
-        A.x += Ag.x * e; A.y += Ag.y * e; A.z += Ag.z * e; A.w += Ag.w * e;
-        Ls += gq[5] * e;
-      }
-    }
-  }
-  if (gi == 0)
-    *reinterpret_cast<float4*>(dst + (long long)g * G * HD + 4 * q) = make_float4(A.x / Ls, A.y / Ls, A.z / Ls, A.w / Ls);
-}
-// after a block stored its chunk of kv head g (one of nj in use): true in the block that ended them last
-__device__ __forceinline__ bool att_last_chunk(u32* ticket, int nj) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {   // release this block's chunk, acquire the others'
-    const bool lastc = ticket_add(ticket) == (u32)(nj - 1);
-    if (lastc) *ticket = 0u;   // for the next use (ordered after this one by the layers' counters)
-    s_last = lastc;
-  }
-  __syncthreads();
-  return s_last;
-}
-
-// returns the kv head whose chunks this block merges (and then releases its attention unit) at WO's entry,
-// or -1: the merge inline in phase_wo, so that this out-of-line phase needs no more registers than before
-// (in it, ptxas spilled the kernel's values around each call: 28 -> 200 bytes of spill loads)
-__device__ __noinline__ int phase_att(const Params& p_, float* sm, int n, int i, int t, int tok) {
+__device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i, int t, int tok) {
   const Params& p = NOINL_PARAMS(p_);
   int ua, ub;
   const int ph = 5 * i + 1;
@@ -195,7 +101,7 @@ __device__ __noinline__ int phase_att(const Params& p_, float* sm, int n, int i,
     const int nb = wbuf_fill_w(p, sm, Eo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
     prefetch_w(p, Eo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO, PF_ATT);
   }
-  if (ua >= ub) return -1;
+  if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* sq = sm;                        // [G][HD]
   float* wacc = sm + G * HD;             // [NW][G][HD]
@@ -203,8 +109,7 @@ __device__ __noinline__ int phase_att(const Params& p_, float* sm, int n, int i,
   float* wl = wm + NW * G;               // [NW][G]
   const float scale = 1.0f / sqrtf((float)HD);
   const int ch = lane % VCH;
-  int waited = -1, merge_g = -1;
-  static_assert(!ATT_MERGE || U_ATT <= NB, "one attention unit a block at most");
+  int waited = -1;
   for (int u = ua; u < ub; ++u) {
     const int g = u / NCH, c = u % NCH, l = g / KVL;
     int cs, ce;
@@ -275,14 +180,8 @@ __device__ __noinline__ int phase_att(const Params& p_, float* sm, int n, int i,
       o[d] = A;
       if (d == 0) { o[HD] = M; o[HD + 1] = Ls; }
     }
-    if constexpr (ATT_MERGE) {
-      int lo, CH;
-      const int nch = att_split(i, t, lo, CH);
-      if (nch > ATT_MB && att_last_chunk(reinterpret_cast<u32*>(p.ctr + NCTR + g * CTR_STRIDE), nch)) merge_g = g;
-    }
   }
-  if (merge_g < 0) signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
+  signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
   tmark(p, n, ph, 2);
-  return merge_g;
 }
 

@@ -175,9 +175,10 @@ __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce)
   ce = min(cs + CH, t + 1);
 }
 // as QKV's rows begin: the cached keys and values the block's attention units will read, into L2
-// (CFG_KVPF_W2 1: layer i + 1's at the start of layer i's W2, a phase earlier; QKV asks for layer 0's)
+// (CFG_KVPF_W2 1: layer i + 1's at the start of layer i's W2, a phase earlier, QKV asks for layer 0's;
+// 0: each layer's in its QKV)
 #ifndef CFG_KVPF_W2
-#define CFG_KVPF_W2 0
+#define CFG_KVPF_W2 1
 #endif
 constexpr bool KVPF_W2 = CFG_KVPF_W2;
 __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {

@@ -337,8 +337,8 @@ __device__ void spec_loop(const Params& p, float* sm) {
       for (int i = 0; i < NL; ++i) {
         const int tok = s_ids[0];
         phase_qkv(p, sm, n, i, t, tok, false);
-        const int merge_g = phase_att(p, sm, n, i, t, tok);
-        phase_wo(p, sm, n, i, t, tok, merge_g);
+        phase_att(p, sm, n, i, t, tok);
+        phase_wo(p, sm, n, i, t, tok);
         phase_w13(p, sm, n, i, tok);
         phase_w2(p, sm, n, i, t, tok);
       }
