@@ -88,6 +88,125 @@ __device__ __forceinline__ void att_pass(const AttRows& r, const float* sq, int 
   }
 }
 
+// ---- the chunks' merge, once a kv head, by the block that ends its chunks last ----------------------
+// With more than ATT_MB chunks in use (long contexts: SmolLM2 has 44 a kv head at 3968 positions,
+// Llama-3.2-1B 16), WO's merge in every block read all chunks' partials of all heads from L2 (SmolLM2 108 KB a
+// block and layer there, Llama-3.2-1B 270 KB), so instead, after attention, the block whose ticket is a kv
+// head's last merges that head group's chunks once into p.q (free then: every chunk's block has read its q)
+// and marks it done; WO stages p.q. Out of line and called only then (att_long), so that no phase holds its
+// registers (inside phase_att, ptxas spilled the kernel's values around each call). spec_att's verify pass
+// merges every position with att_merge too, so a pass keeps the plain step's bits.
+__device__ __forceinline__ u32 ticket_add(u32* p) {
+  u32 v;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+constexpr int ATT_MB = NCH < 8 ? NCH : 8;   // chunks a batch of loads (a thread's loads in flight together)
+static_assert(HD % 4 == 0 && G * HD / 4 <= NT, "four elements of a head a thread, a head group in one round");
+constexpr int QA = G * HD / 4;              // threads of a merge group: four elements of a head group each
+// groups, each a share of the chunks, combined by group 0 through the attention scratch (NW G HD floats)
+constexpr int MA = cmax(1, cmin(8, cmin(NT / QA, NW / 2 + 1)));
+constexpr int MBG = ATT_MB < 4 ? ATT_MB : 4;   // a group's batch: fewer registers
+// the chunks [ca, cb) of elements x .. x + 3 (of G HD) of kv head g's query heads in src ([KV][NCH][G][ATTP])
+// merged into (M, Ls, A): ATT_MB chunks a batch (their loads in flight together), one rescale a batch
+template <int MB = ATT_MB>
+__device__ __forceinline__ void merge_range(const float* src, int g, int x, int ca, int cb, float& M, float& Ls,
+                                            float4& A) {
+  const int hg = x / HD, d = x % HD;
+  const float* a = src + ((long long)g * NCH * G + hg) * ATTP;
+  for (int c0 = ca; c0 < cb; c0 += MB) {
+    float2 ml[MB];
+    float4 ac[MB];
+#pragma unroll
+    for (int k = 0; k < MB; ++k) {
+      const float* ach = a + (long long)(c0 + k) * G * ATTP;
+      const bool in = c0 + k < cb;
+      ml[k] = in ? __ldcg(reinterpret_cast<const float2*>(ach + HD)) : make_float2(-1e30f, 0.f);
+      ac[k] = in ? __ldcg(reinterpret_cast<const float4*>(ach + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float Mb = M;
+#pragma unroll
+    for (int k = 0; k < MB; ++k) Mb = fmaxf(Mb, ml[k].x);
+    const float r = expf(M - Mb);
+    A.x *= r; A.y *= r; A.z *= r; A.w *= r; Ls *= r;
+#pragma unroll
+    for (int k = 0; k < MB; ++k) {
+      const float e = expf(ml[k].x - Mb);
+      A.x += ac[k].x * e; A.y += ac[k].y * e; A.z += ac[k].z * e; A.w += ac[k].w * e;
+      Ls += ml[k].y * e;
+    }
+    M = Mb;
+  }
+}
+// kv head g's nj chunks in src merged into dst[g G HD ..] (A / Ls); more than ATT_MB chunks: MA groups
+// (scratch: (MA - 1) QA 8 floats), else group 0 alone (then the arithmetic of phase_wo's merge)
+__device__ __forceinline__ void att_merge(const float* src, float* dst, int g, int nj, float* scratch) {
+  const bool grouped = MA > 1 && nj > ATT_MB;
+  const int gi = threadIdx.x / QA, q = threadIdx.x % QA, ng = grouped ? MA : 1;
+  const int per = (nj + ng - 1) / ng, ca = min(nj, gi * per), cb = min(nj, ca + per);
+  float M = -1e30f, Ls = 0.f;
+  float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (gi < ng) {
+    if (grouped) merge_range<MBG>(src, g, 4 * q, ca, cb, M, Ls, A);
+    else merge_range(src, g, 4 * q, ca, cb, M, Ls, A);
+  }
+  if (grouped) {
+    if (gi > 0 && gi < ng) {
+      float* gp = scratch + ((gi - 1) * QA + q) * 8;
+      *reinterpret_cast<float4*>(gp) = A;
+      *reinterpret_cast<float2*>(gp + 4) = make_float2(M, Ls);
+    }
+    __syncthreads();
+    if (gi == 0) {
+      float Mt = M;
+      for (int gj = 1; gj < ng; ++gj) Mt = fmaxf(Mt, scratch[((gj - 1) * QA + q) * 8 + 4]);
+      const float r = expf(M - Mt);
+      A.x *= r; A.y *= r; A.z *= r; A.w *= r; Ls *= r;
+      for (int gj = 1; gj < ng; ++gj) {
+        const float* gq = scratch + ((gj - 1) * QA + q) * 8;
+        const float4 Ag = *reinterpret_cast<const float4*>(gq);
+        const float e = expf(gq[4] - Mt);
+        A.x += Ag.x * e; A.y += Ag.y * e; A.z += Ag.z * e; A.w += Ag.w * e;
+        Ls += gq[5] * e;
+      }
+    }
+  }
+  if (gi == 0)
+    *reinterpret_cast<float4*>(dst + (long long)g * G * HD + 4 * q) = make_float4(A.x / Ls, A.y / Ls, A.z / Ls, A.w / Ls);
+}
+// after a block stored its chunk of a kv head (one of nj in use): true in the block that ended them last
+__device__ __forceinline__ bool att_last_chunk(u32* ticket, int nj) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {   // release this block's chunk, acquire the others'
+    const bool lastc = ticket_add(ticket) == (u32)(nj - 1);
+    if (lastc) *ticket = 0u;   // for the next use (ordered after this one by the layers' counters)
+    s_last = lastc;
+  }
+  __syncthreads();
+  return s_last;
+}
+// whether attention at position t of layer i merges in att_merge_step (more chunks than a batch)
+__device__ __forceinline__ bool att_long(int i, int t) {
+  int lo, CH;
+  return att_split(i, t, lo, CH) > ATT_MB;
+}
+__device__ __forceinline__ void att_merge_step(const Params& p_, float* sm, int n, int i, int t) {
+  const Params& p = NOINL_PARAMS(p_);
+  static_assert(U_ATT <= NB, "one attention unit a block at most");
+  int ua, ub, cs, ce, lo, CH;
+  brange(U_ATT, ua, ub);
+  if (ua >= ub) return;
+  const int g = ua / NCH;
+  att_chunk(i, t, ua % NCH, cs, ce);
+  if (ce <= cs) return;   // a chunk not in use
+  const int nch = att_split(i, t, lo, CH);
+  if (!att_last_chunk(ATT_TICKET(p, g), nch)) return;
+  att_merge(p.attp, p.q, g, nch, sm + G * HD);
+  __syncthreads();
+  if (threadIdx.x == 0) st_release(ATT_DONE(p, i, g), (u64)n + 1);
+}
+
 __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i, int t, int tok) {
   const Params& p = NOINL_PARAMS(p_);
   int ua, ub;

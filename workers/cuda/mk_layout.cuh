@@ -65,10 +65,21 @@ constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STO
 constexpr int CTR_STRIDE = 16;
 constexpr int NCTR = (5 * L + 5) * CTR_STRIDE;
 static_assert(C_CANCEL + 1 == NCTR / CTR_STRIDE, "the cancel word is the last counter (backend.py: the hang report)");
+// attention's merge by the last chunk block of each kv head (mk_att.cuh att_merge_step; one lane, one rank):
+// a ticket a kv head (the low half of its word), then a done word a (layer, kv head) holding n + 1 once token
+// n's merge is in p.q; CTR_STRIDE words apart after the counters, zero at launch too
+#ifndef CFG_ATT_MERGE
+#define CFG_ATT_MERGE 1
+#endif
+constexpr bool ATT_MERGE = L == 1 && KOG_NRANKS == 1 && CFG_ATT_MERGE;
+#define ATT_TICKET(p, g) reinterpret_cast<u32*>((p).ctr + NCTR + (long long)(g) * CTR_STRIDE)
+#define ATT_DONE(p, i, g) ((p).ctr + NCTR + (long long)(KV + (i) * KV + (g)) * CTR_STRIDE)
+constexpr int NCTR_ALL = NCTR + (ATT_MERGE ? (KV + NL * KV) * CTR_STRIDE : 0);   // the words backend.py allocates
 #define CTR(p, k) ((p).ctr + (long long)(k) * CTR_STRIDE)
 
 // shared memory (floats)
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
 // most lanes a block touches in a phase of U lane-major units (upl per lane): the staging area holds
 // only those (a smaller shared-memory carve-out leaves more L1: docs/monokernel.md, second session)
 constexpr int lanes_spanned(int U, int upl) {
@@ -86,23 +97,6 @@ constexpr int SM_LM = D;
 constexpr int CB_ROWS = (L * D + NB - 1) / NB + 2 * NR_WO + 2 * NR_W2;   // rows of a block in WO / W2
 constexpr int CB_OFF = cmax(SM_STAGE, SM_ATT);   // WO / W2 combine staging: clear of attention's scratch
 constexpr int SM_MAIN = cmax(CB_OFF + 2 * CB_ROWS, SM_LM) + 16 * 8 + 16;
-// WO's merge of more than 8 attention chunks (long contexts, one lane): MG groups of threads, each merging a
-// contiguous share of the chunks in batches of 8, then group 0 combines the groups' (acc, m, l) through
-// shared memory (after the block's HDL staged floats, clear of CB_OFF): 44 chunks (SmolLM2 at 3968
-// positions) take 2 dependent L2 round trips a thread at MG 3 instead of 6. spec_att's merge of a verify
-// pass takes the same groups and shares, so a pass keeps the plain step's bits. CFG_WO_MG 1: one group.
-#ifndef CFG_WO_MG
-#define CFG_WO_MG 4
-#endif
-constexpr int MG_FIT = (CB_OFF - HDL) / (8 * (HDL / 4)) + 1;
-constexpr int cmin(int a, int b) { return a < b ? a : b; }
-constexpr int MG = L == 1 ? cmax(1, cmin(CFG_WO_MG, cmin(NT / (HDL / 4), MG_FIT))) : 1;
-// the share [ca, cb) of the nch chunks that merge group gi takes
-__device__ __forceinline__ void mg_share(int nch, int gi, int& ca, int& cb) {
-  const int per = (nch + MG - 1) / MG;
-  ca = min(nch, gi * per);
-  cb = min(nch, ca + per);
-}
 // stage_norms2 (a block's QKV and W13 units span at most 2 lanes): the norm weights of its lanes in
 // shared memory, copied before the block waits for the residual (docs/monokernel.md, third session);
 // otherwise (one lane, or blocks spanning more lanes) stage_norms
@@ -144,7 +138,7 @@ struct Params {   // every field 8 bytes; the one list: params.py reads it and t
   float* logits;                 // 12 [V]
   float* cand_v;                 // 13 [NB]
   int* cand_i;                   // 14 [NB]
-  u64* ctr;                      // 15 [NCTR], zero at launch
+  u64* ctr;                      // 15 [NCTR_ALL], zero at launch
   u64* sortbuf;                  // 16 [VPOW2]
   float* dbg_logits;             // 17 [max_new][V] or null
   int* ring;                     // 18 host-mapped [max_new] token ids

@@ -161,14 +161,8 @@ SPEC_PHASE void spec_qkv(const Params& p_, float* sm, int n, int i, int t, int n
 // blocks with a unit (U_ATT <= NB: one each); an item is phase_att's unit at that position. The block that
 // finishes the last chunk of (j, g) (a ticket a pair) merges them as phase_wo does and writes the heads'
 // outputs over their queries in p.q, so WO reads np inputs in one round trip instead of merging np times.
-__device__ __forceinline__ u32 ticket_add(u32* p) {
-  u32 v;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 constexpr int SPEC_TICKETS = 64;   // p.spec words before the (position, kv head) tickets (backend.py SPEC_WORDS)
 static_assert(SP * KV <= 1024, "p.spec holds 1024 attention tickets");
-static_assert(MG * 3 <= NW, "spec_att's merge groups' partials fit in the attention scratch (wacc)");
 __device__ __noinline__ void spec_att(const Params& p_, float* sm, int n, int i, int t, int np) {
   const Params& p = NOINL_PARAMS(p_);
   int ua, ub;
@@ -187,7 +181,6 @@ __device__ __noinline__ void spec_att(const Params& p_, float* sm, int n, int i,
   float* wacc = sm + G * HD;
   float* wm = wacc + NW * G * HD;
   float* wl = wm + NW * G;
-  __shared__ int s_last;
   const float scale = 1.0f / sqrtf((float)HD);
   const int ch = lane % VCH;
   int W = 0;
@@ -271,78 +264,10 @@ __device__ __noinline__ void spec_att(const Params& p_, float* sm, int n, int i,
       o[d] = A;
       if (d == 0) { o[HD] = M; o[HD + 1] = Ls; }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {   // release this block's chunk, acquire the others': the last merges them
-      u32* tk = reinterpret_cast<u32*>(p.spec) + SPEC_TICKETS + j * KV + g;
-      const bool lastc = ticket_add(tk) == (u32)(nj - 1);
-      if (lastc) *tk = 0u;    // for the next pass (ordered after this one by the layers' counters)
-      s_last = lastc;
-    }
-    __syncthreads();
-    if (s_last) {             // phase_wo's merge of the chunks in use at t + j, for kv head g's query heads
-      // (its groups and shares too, mk_layout.cuh MG: the plain step's bits); a group's partials in wacc
-      constexpr int MB = NCH < 8 ? NCH : 8;
-      const bool grouped = MG > 1 && nj > MB;
-      const int XT = grouped ? NT / MG : NT, gi = grouped ? threadIdx.x / XT : 0;
-      int ca = 0, cb = nj;
-      if (grouped) mg_share(nj, gi, ca, cb);
-      for (int x = threadIdx.x - gi * XT; gi < MG && x < G * HD; x += XT) {
-        const int hg = x / HD, d = x % HD;
-        const float* a = aj + ((long long)g * NCH * G + hg) * ATTP;
-        float M = -1e30f, A = 0.f, Ls = 0.f;
-        for (int c0 = ca; c0 < cb; c0 += MB) {
-          float mc[MB], ac[MB], lc[MB];
-#pragma unroll
-          for (int k = 0; k < MB; ++k) {
-            const float* ach = a + (long long)(c0 + k) * G * ATTP;
-            const bool in = c0 + k < cb;
-            mc[k] = in ? ldf(ach + HD) : -1e30f; ac[k] = in ? ldf(ach + d) : 0.f; lc[k] = in ? ldf(ach + HD + 1) : 0.f;
-          }
-          float Mb = M;
-#pragma unroll
-          for (int k = 0; k < MB; ++k) Mb = fmaxf(Mb, mc[k]);
-          const float rr = expf(M - Mb);
-          A *= rr; Ls *= rr;
-#pragma unroll
-          for (int k = 0; k < MB; ++k) {
-            const float e = expf(mc[k] - Mb);
-            A += ac[k] * e;
-            Ls += lc[k] * e;
-          }
-          M = Mb;
-        }
-        if (!grouped) {
-          p.q[(long long)j * H * HD + (long long)g * G * HD + x] = A / Ls;
-        } else if (gi > 0) {
-          float* gp = wacc + ((gi - 1) * G * HD + x) * 3;
-          gp[0] = A; gp[1] = M; gp[2] = Ls;
-        } else {
-          wacc[((MG - 1) * G * HD + x) * 3] = A;   // group 0's own, for its combine below
-          wacc[((MG - 1) * G * HD + x) * 3 + 1] = M;
-          wacc[((MG - 1) * G * HD + x) * 3 + 2] = Ls;
-        }
-      }
-      if (grouped) {
-        __syncthreads();
-        for (int x = threadIdx.x; x < G * HD; x += NT) {
-          const float* g0 = wacc + ((MG - 1) * G * HD + x) * 3;
-          float A = g0[0], M = g0[1], Ls = g0[2];
-          float Mt = M;
-#pragma unroll
-          for (int gj = 1; gj < MG; ++gj) Mt = fmaxf(Mt, wacc[((gj - 1) * G * HD + x) * 3 + 1]);
-          const float rr = expf(M - Mt);
-          A *= rr; Ls *= rr;
-#pragma unroll
-          for (int gj = 1; gj < MG; ++gj) {
-            const float* gq = wacc + ((gj - 1) * G * HD + x) * 3;
-            const float e = expf(gq[1] - Mt);
-            A += gq[0] * e;
-            Ls += gq[2] * e;
-          }
-          p.q[(long long)j * H * HD + (long long)g * G * HD + x] = A / Ls;
-        }
-      }
-    }
+    // the last chunk block merges them, as att_merge_step does past ATT_MB chunks and phase_wo below that
+    // (the same arithmetic, mk_att.cuh att_merge): the plain step's bits
+    if (att_last_chunk(reinterpret_cast<u32*>(p.spec) + SPEC_TICKETS + j * KV + g, nj))
+      att_merge(aj, p.q + (long long)j * H * HD, g, nj, wacc);
   }
   signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
   tmark(p, n, 5 * i + 1, 2);

@@ -116,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
     for (int i = 0; i < NL; ++i) {
       phase_qkv(p, sm, n, i, t, tok, n > 0 && i == 0);
       phase_att(p, sm, n, i, t, tok);
+      if (ATT_MERGE && att_long(i, t)) att_merge_step(p, sm, n, i, t);
       phase_wo(p, sm, n, i, t, tok);
       phase_w13(p, sm, n, i, tok);
       phase_w2(p, sm, n, i, t, tok);
@@ -137,7 +138,7 @@ extern "C" __global__ void monokernel_info(long long* out) {
 #else
   out[0] = SM_FLOATS * 4;    // dynamic shared memory bytes
 #endif
-  out[1] = NCTR;
+  out[1] = NCTR_ALL;
   out[2] = NCH;
   out[3] = VPOW2;
   out[4] = sizeof(Params);
