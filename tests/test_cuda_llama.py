@@ -171,8 +171,8 @@ def test_one_lane_greedy_matches_numpy_engine(models, name):
 def test_many_attention_chunks_match_numpy_engine(models, minpos):
     """Attention split into many position chunks (CFG_ATT_MINPOS: positions a chunk has at least; the
     default gives a chunk 64 positions, so short tests see one or two): with 3, all of them (44 on 132
-    blocks; WO merges them in batches of 8) once past 132 positions, with 40 a count that grows from 1 to 4; the
-    greedy ids stay the numpy engine's."""
+    blocks) once past 132 positions, and past 8 of them merged once a kv head (mk_att.cuh att_merge_step);
+    with 40 a count that grows from 1 to 4; the greedy ids stay the numpy engine's."""
     name = "hd64_h9kv3_d576_tied_bias"
     ref, margins = _ref_greedy(models[name], PROMPT, GEN)
     got = _run(models[name], extra_defines={"CFG_ATT_MINPOS": minpos})

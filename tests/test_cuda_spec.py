@@ -138,9 +138,10 @@ def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name, specul
 @pytest.mark.parametrize("speculating", [False, True], ids=["plain_backend", "speculating_backend"])
 def test_speculative_many_chunks_is_the_plain_decode_bit_for_bit(models, speculating):
     """Attention in many position chunks (CFG_ATT_MINPOS 3: more than 8 a kv head past 24 positions, 44 past
-    132, as SmolLM2 has at a 3968-token context): WO merges more than 8 of them in groups of threads (mk_layout.cuh MG) and the
-    verify pass's last chunk block merges them in the same groups, so the logits of every token given are
-    still the plain kernel's bit for bit and the ids the numpy engine's."""
+    132, as SmolLM2 has at a 3968-token context): the plain step merges them once a kv head after attention
+    (mk_att.cuh att_merge_step, in groups of threads) and the verify pass's last chunk block with the same
+    att_merge, so the logits of every token given are still the plain kernel's bit for bit and the ids the
+    numpy engine's."""
     name = "hd64_h9kv3_tied_bias"
     b = _backend(models[name], "F32", extra={"CFG_ATT_MINPOS": 3}, speculative=speculating)
     try:
