@@ -137,10 +137,10 @@ def test_qkv_loads_in_flight_follow_the_rank_count():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_hang_report_reads_the_kernels_counter_layout(tmp_path):
-    """backend.counter_lines (the hang report) finds the phase counters, the ticket, the token word and the
+    """host.counter_lines (the hang report) finds the phase counters, the ticket, the token word and the
     cancel word where mk_layout.cuh puts them, and decodes the token word {n + 1, stop, token}."""
     from kog_dist.shapes import shape_config
-    from workers.cuda.backend import CTR_STRIDE, counter_lines
+    from workers.cuda.host import CTR_STRIDE, counter_lines
     from workers.cuda.build import defines
     prog = tmp_path / "ctr.cu"
     prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n'
@@ -271,11 +271,11 @@ def test_default_storage_of_a_source(tmp_path):
 def test_speculative_builds_fit_and_the_state_words_agree(tmp_path):
     """build.spec_positions (CFG_SPEC of the speculative build) is the most positions whose staging fits the
     kernel's shared memory: the kernel's own static_assert passes at that count and fails at one more (where
-    one more is allowed); several lanes get none. The pass-state words the host reads (backend.py) are
+    one more is allowed); several lanes get none. The pass-state words the host reads (host.py) are
     mk_spec_lm.cuh's."""
     import re
     from kog_dist.shapes import shape_config
-    from workers.cuda import backend
+    from workers.cuda import host
     from workers.cuda.build import SPEC_MAX, defines, spec_positions
     prog = tmp_path / "spec.cu"
     prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n'
@@ -307,13 +307,13 @@ def test_speculative_builds_fit_and_the_state_words_agree(tmp_path):
     src = open(os.path.join(CUDA_DIR, "mk_spec_lm.cuh")).read()
     words = {m.group(1): int(m.group(2)) for m in re.finditer(r"\bSW_(\w+) = (\d+)", src)}
     for name in ("K", "PROBE", "STEPS", "DRAFTED", "ACCEPTED"):
-        assert getattr(backend, f"SW_{name}") == words[name], name
-    assert backend.SPEC_TICKETS > max(words.values())
+        assert getattr(host, f"SW_{name}") == words[name], name
+    assert host.SPEC_TICKETS > max(words.values())
     kv = open(os.path.join(CUDA_DIR, "mk_spec.cuh")).read()
-    assert f"SPEC_TICKETS = {backend.SPEC_TICKETS};" in kv and f"SP * KV <= {backend.SPEC_MAX_TICKETS}" in kv
+    assert f"SPEC_TICKETS = {host.SPEC_TICKETS};" in kv and f"SP * KV <= {host.SPEC_MAX_TICKETS}" in kv
     import inspect
     from kog_dist.speculative import MAX_NGRAM, AdaptiveDraft
     dflt = {k: v.default for k, v in inspect.signature(AdaptiveDraft).parameters.items()}
-    assert backend.SPEC_PROBE == dflt["probe_every"]         # the device's draft sizes: the cpu backend's rule
+    assert host.SPEC_PROBE == dflt["probe_every"]         # the device's draft sizes: the cpu backend's rule
     assert (f"SPEC_PROBE = {dflt['probe_every']}, SPEC_MAX_PROBE = {dflt['max_probe_every']}, "
             f"SPEC_NGRAM = {MAX_NGRAM}") in src

@@ -64,7 +64,7 @@ constexpr int C_TICKET = 5 * L, C_TOKEN = 5 * L + 1, C_TOKVAL = 5 * L + 2, C_STO
 // another lane's releases (unpadded measured within the spread: docs/monokernel.md, "Versions")
 constexpr int CTR_STRIDE = 16;
 constexpr int NCTR = (5 * L + 5) * CTR_STRIDE;
-static_assert(C_CANCEL + 1 == NCTR / CTR_STRIDE, "the cancel word is the last counter (backend.py: the hang report)");
+static_assert(C_CANCEL + 1 == NCTR / CTR_STRIDE, "the cancel word is the last counter (host.py counter_lines: the hang report)");
 // attention's merge by the last chunk block of each kv head (mk_att.cuh att_merge_step; one lane, one rank):
 // a ticket a kv head (the low half of its word), then a done word a (layer, kv head) holding n + 1 once token
 // n's merge is in p.q; CTR_STRIDE words apart after the counters, zero at launch too

@@ -161,7 +161,7 @@ SPEC_PHASE void spec_qkv(const Params& p_, float* sm, int n, int i, int t, int n
 // blocks with a unit (U_ATT <= NB: one each); an item is phase_att's unit at that position. The block that
 // finishes the last chunk of (j, g) (a ticket a pair) merges them as phase_wo does and writes the heads'
 // outputs over their queries in p.q, so WO reads np inputs in one round trip instead of merging np times.
-constexpr int SPEC_TICKETS = 64;   // p.spec words before the (position, kv head) tickets (backend.py SPEC_WORDS)
+constexpr int SPEC_TICKETS = 64;   // p.spec words before the (position, kv head) tickets (host.py SPEC_WORDS)
 static_assert(SP * KV <= 1024, "p.spec holds 1024 attention tickets");
 __device__ __noinline__ void spec_att(const Params& p_, float* sm, int n, int i, int t, int np) {
   const Params& p = NOINL_PARAMS(p_);

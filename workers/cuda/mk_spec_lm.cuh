@@ -7,7 +7,7 @@
 // sized by kog_dist.speculative.AdaptiveDraft's rule.
 #pragma once
 
-// words of p.spec (int32; the host reads the counts after the launch: backend.py SPEC_WORDS)
+// words of p.spec (int32; the host reads the counts after the launch: host.py SPEC_WORDS)
 enum {
   SW_IDS = 0,         // [SP] the next pass's ids: the last token given, then the draft
   SW_NP = 16,         // positions of the next pass
