@@ -175,13 +175,12 @@ __device__ __forceinline__ void att_chunk(int i, int t, int c, int& cs, int& ce)
   ce = min(cs + CH, t + 1);
 }
 // as QKV's rows begin: the cached keys and values the block's attention units will read, into L2
-// (one lane: layer i + 1's a phase or two earlier, CFG_KVPF_W2 1 at the start of layer i's W2, 2 of its W13,
-// and QKV asks for layer 0's; 0, and with several lanes: each layer's in its QKV; with 8 lanes W2 cost the 2B
-// shape 3% at 128 + 512 and 7.7% at 3968)
+// (CFG_KVPF_W2 1: layer i + 1's at the start of layer i's W2, a phase earlier, QKV asks for layer 0's;
+// 0: each layer's in its QKV)
 #ifndef CFG_KVPF_W2
 #define CFG_KVPF_W2 1
 #endif
-constexpr int KVPF_AT = L == 1 ? CFG_KVPF_W2 : 0;
+constexpr bool KVPF_W2 = CFG_KVPF_W2 && L == 1;   // several lanes: -3% (2B at 128 + 512), -7.7% at 3968
 __device__ __forceinline__ void prefetch_kv(const Params& p, int i, int t) {
   int aa, ab;
   brange(U_ATT, aa, ab);

@@ -39,7 +39,7 @@ __device__ void phase_qkv(const Params& p, float* sm, int n, int i, int t, int t
   }
   __syncthreads();
   tmark(p, n, ph, 1);
-  if (KVPF_AT == 0 || i == 0) prefetch_kv(p, i, t);   // before the rows: after them, the blocks with attention units ended QKV last
+  if (!KVPF_W2 || i == 0) prefetch_kv(p, i, t);   // before the rows: after them, the blocks with attention units ended QKV last
   cp_async_wait_all();
   if (NORM2) stage_norms2(p, sm, s, l0, l1 - l0 + 1, tok, writer_mask(l0, l1, UPL_QKV, ua, ub), red);
   else stage_norms(p, sm, s, l0, l1 - l0 + 1, p.norms + (long long)(i * 2 + 0) * L * D, tok,

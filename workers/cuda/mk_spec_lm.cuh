@@ -340,7 +340,7 @@ __device__ void spec_loop(const Params& p, float* sm) {
         phase_att(p, sm, n, i, t, tok);
         if (ATT_MERGE && att_long(i, t)) att_merge_step(p, sm, n, i, t);
         phase_wo(p, sm, n, i, t, tok);
-        phase_w13(p, sm, n, i, t, tok);
+        phase_w13(p, sm, n, i, tok);
         phase_w2(p, sm, n, i, t, tok);
       }
     else

@@ -2,10 +2,9 @@
 // The ffn's first phase: ffn norm, gate/up rows, silu(gate) * up (units: one (w1 row, w3 row) pair).
 #pragma once
 
-__device__ void phase_w13(const Params& p, float* sm, int n, int i, int t, int tok) {
+__device__ void phase_w13(const Params& p, float* sm, int n, int i, int tok) {
   const int ph = 5 * i + 3;
   const auto [E, ua, ub, nbuf] = phase_begin<U_W13, UE_W13, OFF_W13>(p, sm, n, i, ph, true, true);
-  if (KVPF_AT == 2 && i + 1 < NL) prefetch_kv(p, i + 1, t);   // the next layer's cached keys and values into L2
   if (ua >= ub) return;
   const int l0 = ua / UPL_W13, l1 = (ub - 1) / UPL_W13;
   float* red = sm + SM_MAIN - 16 * 8 - 16;

@@ -5,7 +5,7 @@
 __device__ void phase_w2(const Params& p, float* sm, int n, int i, int t, int tok) {
   const int ph = 5 * i + 4;
   const auto [E, ua, ub, nbuf] = phase_begin<U_W2, UE_W2, OFF_W2>(p, sm, n, i, ph, true, true);
-  if (KVPF_AT == 1 && i + 1 < NL) prefetch_kv(p, i + 1, t);   // the next layer's cached keys and values into L2
+  if (KVPF_W2 && i + 1 < NL) prefetch_kv(p, i + 1, t);   // the next layer's cached keys and values into L2
   const MrPost mp = mr_post(p, 1, n, i);
   if (ua >= ub) return;
   const int l0 = ua / UPL_W2, l1 = (ub - 1) / UPL_W2;

@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(NT, 512 / NT) monokernel(const Para
       phase_att(p, sm, n, i, t, tok);
       if (ATT_MERGE && att_long(i, t)) att_merge_step(p, sm, n, i, t);
       phase_wo(p, sm, n, i, t, tok);
-      phase_w13(p, sm, n, i, t, tok);
+      phase_w13(p, sm, n, i, tok);
       phase_w2(p, sm, n, i, t, tok);
 #if KOG_NRANKS > 1
       if (mr_bail()) return;
