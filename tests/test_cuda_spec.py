@@ -101,6 +101,35 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def _plain_then_speculative(b, label):
+    """The echo prompt's greedy decode of GEN tokens without and with speculation (k = 8) on backend b
+    (closed after): the ids and the logits of every token given are the same bit for bit, and drafts were
+    accepted. Returns (prompt, plain result, speculative result)."""
+    try:
+        prompt = _echo_prompt(b)
+        plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
+        spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
+    finally:
+        b.close()
+    i = _first_diff(spec.token_ids, plain.token_ids)
+    assert i is None, f"{label}: first difference at token {i}"
+    bad = np.nonzero((ls != lp).any(axis=1))[0]
+    assert bad.size == 0, f"{label}: logits of tokens {bad[:8]} differ (max {np.abs(ls - lp).max():.3e})"
+    assert spec.spec_steps > 0 and spec.spec_accepted > 0, spec.stats()
+    return prompt, plain, spec
+
+
+def _numpy_greedy(path, prompt):
+    """The numpy engine's greedy ids for GEN tokens after prompt."""
+    m = Model(path, progress=False)
+    eng = ReferenceEngine(m.cfg, m.weights, m.embed)
+    lg, ref = eng.prefill(prompt), []
+    for _ in range(GEN):
+        ref.append(int(np.argmax(lg)))
+        lg = eng.step(ref[-1])
+    return ref
+
+
 @pytest.mark.parametrize("speculating", [False, True], ids=["plain_backend", "speculating_backend"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name, speculating):
@@ -112,26 +141,10 @@ def test_speculative_greedy_is_the_plain_decode_bit_for_bit(models, name, specul
     b = _backend(models[name], dt, speculative=speculating)
     if speculating:
         assert b.k.nthreads == b._spec()[0].nthreads
-    try:
-        prompt = _echo_prompt(b)
-        plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
-        spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
-    finally:
-        b.close()
+    prompt, plain, spec = _plain_then_speculative(b, name)
     assert plain.stop_reason == spec.stop_reason == "length"
-    i = _first_diff(spec.token_ids, plain.token_ids)
-    assert i is None, f"{name}: first difference at token {i}"
-    bad = np.nonzero((ls != lp).any(axis=1))[0]
-    assert bad.size == 0, f"{name}: logits of tokens {bad[:8]} differ (max {np.abs(ls - lp).max():.3e})"
-    assert spec.spec_steps > 0 and spec.spec_accepted > 0, spec.stats()
     if dt == "F32":
-        m = Model(models[name], progress=False)
-        eng = ReferenceEngine(m.cfg, m.weights, m.embed)
-        lg, ref = eng.prefill(prompt), []
-        for _ in range(GEN):
-            ref.append(int(np.argmax(lg)))
-            lg = eng.step(ref[-1])
-        i = _first_diff(spec.token_ids, ref)
+        i = _first_diff(spec.token_ids, _numpy_greedy(models[name], prompt))
         assert i is None, f"{name}: token {i} differs from the numpy engine's"
 
 
@@ -144,24 +157,8 @@ def test_speculative_many_chunks_is_the_plain_decode_bit_for_bit(models, specula
     numpy engine's."""
     name = "hd64_h9kv3_tied_bias"
     b = _backend(models[name], "F32", extra={"CFG_ATT_MINPOS": 3}, speculative=speculating)
-    try:
-        prompt = _echo_prompt(b)
-        plain, lp = _run(b, RunCommand(slot=0, append=prompt, max_new_tokens=GEN), GEN)
-        spec, ls = _run(b, RunCommand(slot=1, append=prompt, max_new_tokens=GEN, speculative=8), GEN)
-    finally:
-        b.close()
-    i = _first_diff(spec.token_ids, plain.token_ids)
-    assert i is None, f"first difference at token {i}"
-    bad = np.nonzero((ls != lp).any(axis=1))[0]
-    assert bad.size == 0, f"logits of tokens {bad[:8]} differ (max {np.abs(ls - lp).max():.3e})"
-    assert spec.spec_steps > 0 and spec.spec_accepted > 0, spec.stats()
-    m = Model(models[name], progress=False)
-    eng = ReferenceEngine(m.cfg, m.weights, m.embed)
-    lg, ref = eng.prefill(prompt), []
-    for _ in range(GEN):
-        ref.append(int(np.argmax(lg)))
-        lg = eng.step(ref[-1])
-    i = _first_diff(plain.token_ids, ref)
+    prompt, plain, _ = _plain_then_speculative(b, "CFG_ATT_MINPOS=3")
+    i = _first_diff(plain.token_ids, _numpy_greedy(models[name], prompt))
     assert i is None, f"token {i} differs from the numpy engine's"
 
 
