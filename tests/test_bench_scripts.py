@@ -179,3 +179,19 @@ def test_serve_overhead_interval_holds_the_median_and_narrows_with_the_pairs():
     assert flo < statistics.median(few) < fhi
     assert (fhi - flo) / (hi - lo) > 4.0
     assert lo > 0.0 and flo < 0.0
+
+
+def test_relay_floor_relays_every_message_each_way(tmp_path):
+    """bench/relay_floor.py on this machine, briefly: every way relays its messages through real sockets to its
+    end mark (the sender's last message) and reports a positive CPU a message; bad arguments are one line and
+    exit 2."""
+    r = subprocess.run([sys.executable, os.path.join("bench", "relay_floor.py"), "--n", "12", "--gap-ms", "1",
+                        "--repeats", "1", "--json"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    import json
+    out = json.loads(r.stdout)
+    assert [w["way"] for w in out["rows"]] == ["socket", "zmq", "zmq-pinned", "zmq-asyncio"]
+    assert all(0 < w["us_cpu_per_message"] < 1e5 for w in out["rows"])
+    r = subprocess.run([sys.executable, os.path.join("bench", "relay_floor.py"), "--n", "0"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO_ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "relay_floor: error" in r.stderr
