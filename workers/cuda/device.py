@@ -2,7 +2,9 @@
 against, and the device's name."""
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 
 
 def cupy_copy_bandwidth(nbytes: int = 2 ** 31, repeats: int = 10) -> float:
@@ -28,3 +30,22 @@ def device_name(dev_id: int) -> str:
     import cupy as cp
     name = cp.cuda.runtime.getDeviceProperties(dev_id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def probe_main(prog: str, parse, work) -> int:
+    """The command of a GPU probe (sm_stream, handoff): parse() checks the arguments and returns what work()
+    takes; work(x) runs on the GPU and returns the text to print. A bad argument, no GPU or a CUDA error is
+    one line `prog: error: ...` on stderr and exit 1, no traceback."""
+    try:
+        x = parse()
+        import cupy as cp
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no CUDA device")
+        text = work(x)
+    except Exception as e:   # one line, no traceback
+        print(f"{prog}: error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        if type(e).__module__.startswith("cupy"):
+            os._exit(1)   # a CUDA error is sticky: CuPy's finalizers would print a traceback each
+        return 1
+    print(text)
+    return 0

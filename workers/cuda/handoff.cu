@@ -12,24 +12,13 @@
 //   4  as 0, polled with relaxed loads and one fence.acq_rel.gpu after (no acquire on every poll)
 // `wfloats` > 0: each block first stores that many floats of its own (a phase's outputs), which the release
 // must order before the signal, as the monokernel's rows are.
-typedef unsigned long long u64;
-#define HO_WPL 5   // flag words a lane polls: up to 160 blocks (handoff.py checks)
+#include "common.cuh"   // ld_acquire, red_release, st_release (handoff.py inlines it)
+#define HO_WPL 5          // flag words a lane polls: up to 160 blocks (handoff.py checks)
 
-__device__ __forceinline__ u64 ho_ld_acquire(const u64* p) {
-  u64 v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ u64 ho_ld_relaxed(const u64* p) {
   u64 v;
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
-}
-__device__ __forceinline__ void ho_red_release(u64* p, u64 v) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void ho_st_release(u64* p, u64 v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void ho_fence() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ u64 ho_now() {
@@ -48,13 +37,13 @@ extern "C" __global__ void handoff(u64* words, float* outs, int iters, int warmu
     __syncthreads();   // the block's part of the phase is done
     const u64 want = (u64)it + 1;
     if (threadIdx.x == 0) {
-      if (mode == 0 || mode == 4) ho_red_release(words, 1);
-      else if (mode == 1) ho_red_release(words + (b % ns) * 16, 1);
-      else ho_st_release(words + (long long)b * (mode == 2 ? 1 : 16), want);
+      if (mode == 0 || mode == 4) red_release(words, 1);
+      else if (mode == 1) red_release(words + (b % ns) * 16, 1);
+      else st_release(words + (long long)b * (mode == 2 ? 1 : 16), want);
     }
     if (threadIdx.x < 32) {
       if (mode == 0) {
-        if (lane == 0) while (ho_ld_acquire(words) < want * nb) {}
+        if (lane == 0) while (ld_acquire(words) < want * nb) {}
       } else if (mode == 4) {
         if (lane == 0) {
           while (ho_ld_relaxed(words) < want * nb) {}
@@ -63,7 +52,7 @@ extern "C" __global__ void handoff(u64* words, float* outs, int iters, int warmu
       } else if (mode == 1) {
         if (lane < ns) {
           const u64 per = (u64)((nb - lane + ns - 1) / ns);   // blocks b with b % ns == lane
-          while (ho_ld_acquire(words + lane * 16) < want * per) {}
+          while (ld_acquire(words + lane * 16) < want * per) {}
         }
       } else {
         const int stride = mode == 2 ? 1 : 16;

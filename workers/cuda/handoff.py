@@ -20,6 +20,8 @@ import os
 import statistics
 import sys
 
+from .device import probe_main
+
 
 MAX_BLOCKS = 160   # handoff.cu: HO_WPL words a lane of one warp
 WAYS = (   # (name, mode, ns): handoff.cu's modes
@@ -40,7 +42,8 @@ def run(blocks: int | None, threads: int, iters: int, warmup: int, outputs: list
     nb = min(blocks or nsm, nsm)      # one block an SM: all resident (the cooperative launch checks it)
     if nb > MAX_BLOCKS:
         raise ValueError(f"{nb} blocks: handoff.cu's flag waits read at most {MAX_BLOCKS}")
-    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "handoff.cu")).read()
+    from kccl.cuda_source import inline_sources
+    src = inline_sources([os.path.join(os.path.dirname(os.path.abspath(__file__)), "handoff.cu")])
     f = cp.RawModule(code=src, options=("-std=c++17",)).get_function("handoff")
     words = cp.zeros(nb * 16 + 16, dtype=cp.uint64)
     outs = cp.zeros(max(1, nb * max(outputs)), dtype=cp.float32)
@@ -91,22 +94,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
-    try:
+
+    def parse():
         outputs = [int(s) for s in a.outputs.split(",") if s.strip()]
         if not outputs or min(outputs) < 0 or a.iters <= a.warmup or a.warmup < 0 or a.threads % 32:
             raise ValueError("--outputs >= 0, --iters > --warmup >= 0, --threads a multiple of 32")
-        import cupy as cp
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        r = run(a.blocks, a.threads, a.iters, a.warmup, outputs, max(1, a.repeats))
-    except Exception as e:   # one line, no traceback
-        print(f"handoff: error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
-        if type(e).__module__.startswith("cupy"):
-            os._exit(1)   # a CUDA error is sticky: CuPy's finalizers would print a traceback each
-        return 1
-    print(json.dumps(r) if a.json else table(r))
-    return 0
+        return outputs
 
+    def work(outputs):
+        r = run(a.blocks, a.threads, a.iters, a.warmup, outputs, max(1, a.repeats))
+        return json.dumps(r) if a.json else table(r)
+    return probe_main("handoff", parse, work)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from .device import probe_main
+
 UNIT_BYTES = 12288          # a W13 unit: two bf16 rows of 3072
 X_BYTES = 3072 * 4
 WARPS = 16
@@ -98,20 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
-    try:
-        sms = [int(s) for s in a.sms.split(",") if s.strip()]
-        import cupy as cp
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        r = run(sms, a.mb, max(1, a.repeats))
-    except Exception as e:   # one line, no traceback
-        print(f"sm_stream: error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
-        if type(e).__module__.startswith("cupy"):
-            os._exit(1)   # a CUDA error is sticky: CuPy's finalizers would print a traceback each
-        return 1
-    print(json.dumps(r) if a.json else table(r))
-    return 0
 
+    def work(sms):
+        r = run(sms, a.mb, max(1, a.repeats))
+        return json.dumps(r) if a.json else table(r)
+    return probe_main("sm_stream", lambda: [int(s) for s in a.sms.split(",") if s.strip()], work)
 
 if __name__ == "__main__":
     sys.exit(main())
