@@ -195,3 +195,21 @@ def test_relay_floor_relays_every_message_each_way(tmp_path):
     r = subprocess.run([sys.executable, os.path.join("bench", "relay_floor.py"), "--n", "0"], capture_output=True,
                        text=True, timeout=60, cwd=REPO_ROOT)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "relay_floor: error" in r.stderr
+
+
+def test_gateway_cost_splits_the_gateways_ttft_with_the_stand_ins_stamps():
+    """bench/gateway_cost.py, briefly: a real `kog serve --connect` in front of its stand-in coordinator; each
+    path's TTFT holds the stand-in's prefill (--gap-ms) plus its way in and out, which the stand-in's stamps of
+    the same request measure (stamps of another request would put them tens of ms off or negative)."""
+    r = subprocess.run([sys.executable, os.path.join("bench", "gateway_cost.py"), "--reps", "4", "-n", "3",
+                        "--gap-ms", "20", "--json"], capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    out = json.loads(r.stdout)
+    for p in ("direct", "gateway"):
+        assert 0 < out["in"][p] < 15 and 0 < out["out"][p] < 15, out
+        assert 20 < out["ttft"][p] < out["in"][p] + 20 + out["out"][p] + 15, out
+    assert out["gateway_cpu_us_per_token"] > 0
+    r = subprocess.run([sys.executable, os.path.join("bench", "gateway_cost.py"), "-n", "1"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO_ROOT)
+    assert r.returncode == 2 and "gateway_cost: error" in r.stderr
