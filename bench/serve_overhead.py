@@ -5,8 +5,9 @@ client, straight to the coordinator) and through `kog serve`'s /v1/completions, 
     python bench/serve_overhead.py --connect tcp://127.0.0.1:5555 --url http://127.0.0.1:8000
 
 Both are measured in this process, from sending the request: TTFT to the first token's event, and
-the time per token from the first event to the last over (tokens - 1). Each repetition changes the
-prompt's first characters, so every request prefills the same number of tokens (no prefix reuse).
+the time per token from the first event to the last over (tokens - 1). Every request's prompt starts
+with a letter the last 51 did not, so each prefills the same number of tokens (no prefix reuse; the ranks'
+reused_tokens are checked).
 
 Two more columns say where a difference comes from: "decode/token" is the ranks' own decode time a
 token (the result's stats), so a gateway that slows the decode itself (CPU taken from it on a small
@@ -23,6 +24,7 @@ import os
 import re
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import time
@@ -180,6 +182,9 @@ def main(argv=None):
     ap.add_argument("--url")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="idle time before each request, so none starts in the previous one's tail")
+    ap.add_argument("--json-out", help="write every pair's measurements here (JSON), as they were taken")
     ap.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads of the ranks (default: theirs; 1 leaves a core to the gateway on 2 cores)")
     a = ap.parse_args(argv)
@@ -199,14 +204,21 @@ def main(argv=None):
         with Client(control, timeout=120) as zc:
             direct(zc, "warm " + PROMPT, 4)
             gateway(http, url, "warm " + PROMPT, 4)
+            reused = 0
             for i in range(a.reps):                  # alternate the order: neither path always goes first
-                for name in (list(rows) if i % 2 == 0 else list(rows)[::-1]):
+                for k, name in enumerate(list(rows) if i % 2 == 0 else list(rows)[::-1]):
                     is_direct = name.startswith("kog client")
-                    prompt = f"{i:03d}{'d' if is_direct else 'g'} {PROMPT}"
+                    # a first letter no recent request had: no prompt shares a prefix with one the ranks keep
+                    # (starting with the pair's number, the second of a pair reused its first digits' KV and
+                    # prefilled ~2 ms faster, whichever path it was)
+                    prompt = f"{string.ascii_letters[(2 * i + k) % 52]}{i:03d}{'d' if is_direct else 'g'} {PROMPT}"
+                    if a.pause_ms:
+                        time.sleep(a.pause_ms / 1e3)
                     c0 = cpu_ns(proc.pid if proc is not None else None)
                     t0, tf, tl, st = direct(zc, prompt, a.n) if is_direct else gateway(http, url, prompt, a.n)
                     c1 = cpu_ns(proc.pid if proc is not None else None)
                     nt = int(st.get("new_tokens", a.n))
+                    reused = max(reused, int(st.get("reused_tokens", 0)))
                     rows[name].append(((tf - t0) * 1000, (tl - tf) * 1000 / max(1, a.n - 1),
                                        float(st.get("decode_ms", 0.0)) / max(1, nt - 1),
                                        (c1 - c0) / 1e6 / max(1, nt) if c0 is not None and c1 is not None else None))
@@ -214,6 +226,12 @@ def main(argv=None):
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"n": a.n, "reps": a.reps, "fields": ["ttft_ms", "per_token_ms", "decode_per_token_ms",
+                                                            "gateway_cpu_ms_per_token"], **rows}, f)
+    if reused:
+        print(f"warning: a request reused {reused} cached prompt tokens: its TTFT is not comparable", file=sys.stderr)
     print(f"{a.reps} requests each, {a.n} tokens, greedy, streamed; medians (ms); load average "
           f"{' '.join(open('/proc/loadavg').read().split()[:3]) if os.path.exists('/proc/loadavg') else '?'}")
     print(f"{'path':<20} {'TTFT':>9} {'per token':>10} {'decode/token':>13} {'gateway CPU/token':>18}")
