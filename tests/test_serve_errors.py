@@ -145,6 +145,23 @@ def test_disconnect_mid_stream_cancels_and_the_next_is_served_at_once(url, coord
     assert last["tokens_generated"] - after["tokens_generated"] < 100      # not its 500 tokens
 
 
+def test_a_queued_stream_hears_its_status_before_its_decode_starts(url):
+    """A stream's response starts with its first event (no write while the prefill runs), except for a request
+    queued behind another decode: its client hears its 200 at once, not after the decode ahead of it."""
+    ahead = {"prompt": "long", "max_tokens": 200, "temperature": 0, "stream": True}    # 4 s at 20 ms a token
+    with httpx.Client(timeout=30) as h, h.stream("POST", url + "/v1/completions", json=ahead) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()     # kept: a line iterator dropped unfinished closes the response
+        next(line for line in lines if line.startswith("data: "))     # it decodes now
+        t0 = time.monotonic()
+        queued = {"prompt": "next", "max_tokens": 2, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as h2, h2.stream("POST", url + "/v1/completions", json=queued) as r:
+            took = time.monotonic() - t0
+            assert r.status_code == 200 and took < 2.0, took
+        assert next(line for line in lines if line.startswith("data: "))   # the one ahead still decodes
+        # leaving both blocks closes the connections: both requests are cancelled
+
+
 def test_503_until_the_coordinator_answers(model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -286,7 +286,8 @@ class Gateway:
             return JSONResponse(O.completion_body(cid, model, first, chat))
         self.metrics.in_flight += 1
         if stream:
-            return _SSE(self, req, cid, model, chat, O.include_usage(body), t0, endpoint)
+            return _SSE(self, req, cid, model, chat, O.include_usage(body), t0, endpoint,
+                        queued=bool(first.get("position")))
         return _Whole(self, req, cid, model, chat, t0, endpoint)
 
 
@@ -335,9 +336,9 @@ class _Whole:
 class _SSE:
     """A streaming completion as server-sent events, ending in `data: [DONE]`."""
 
-    def __init__(self, gw, req, cid, model, chat, usage, t0, endpoint):
+    def __init__(self, gw, req, cid, model, chat, usage, t0, endpoint, queued=False):
         self.gw, self.req, self.cid, self.model, self.chat, self.usage = gw, req, cid, model, chat, usage
-        self.t0, self.endpoint = t0, endpoint
+        self.t0, self.endpoint, self.queued = t0, endpoint, queued
 
     def _event(self, obj) -> dict:
         return {"type": "http.response.body", "body": b"data: " + _json(obj) + b"\n\n", "more_body": True}
@@ -350,7 +351,8 @@ class _SSE:
 
     async def _stream(self, send, receive):
         # the response's start goes out with its first event, not while the prefill runs: one wake-up of the
-        # client instead of two, and no write of the gateway's on cores the prefill shares
+        # client instead of two, and no write of the gateway's on cores the prefill shares (a queued request's
+        # at once: its wait can be long)
         start = {"type": "http.response.start", "status": 200,
                  "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                              (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]}
@@ -361,8 +363,11 @@ class _SSE:
             send = send_raw
             await send_raw(start)
             self.gw.metrics.request(self.endpoint, 200)
-            await send_raw(event)
+            if event is not None:
+                await send_raw(event)
         send = send_first
+        if self.queued:     # behind another decode: its client hears the status now, not when this one starts
+            await send_first(None)
         watch = asyncio.ensure_future(_watch_disconnect(receive, self.req))
         created, first, ttft, tokens = int(time.time()), True, None, 0
         head, mid = text_event_parts(self.cid, created, self.model, self.chat)
