@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,15 +68,10 @@ def coordinator(endpoint: str, gap: float, stamps: str):
             reply(env, {"id": mid, "type": "ok", "cancelled": []})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(reps: int, n: int, gap: float, stamps: str) -> dict:
     import serve_overhead as so
     from kog_dist.client import Client
+    from launch.cli import free_port
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))))
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--coordinator", endpoint, "--stamps", stamps,

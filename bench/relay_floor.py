@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -28,19 +27,11 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_overhead import cpu_ns  # noqa: E402  (CPU time of every thread of a process, Linux schedstat)
+from launch.cli import free_port  # noqa: E402  (serve_overhead put the repository on the path)
+
 WAYS = ("socket", "zmq", "zmq-pinned", "zmq-asyncio")
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of a process so far (Linux schedstat)."""
-    total = 0
-    for f in glob.glob(f"/proc/{pid}/task/*/schedstat"):
-        try:
-            with open(f) as fh:
-                total += int(fh.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
 
 
 def _sink(port_q):
@@ -100,10 +91,7 @@ def relay(way: str, n: int, gap: float) -> float:
             out.sendall(b"data: " + d + b"\n\n")
     else:
         import zmq
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        ep = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-        probe.close()
+        ep = f"tcp://127.0.0.1:{free_port()}"
         snd = mp.Process(target=_sender, args=(way, ep, n, gap), daemon=True)
         snd.start()
         ctx = zmq.Context()
