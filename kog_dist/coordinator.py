@@ -54,6 +54,8 @@ from .scheduler import (Scheduler, _encode, _lcp, _make_command, _owner_key, _pc
                         _Session, _Slot)
 from .textstream import TextStream, find_stop  # noqa: F401
 
+SWITCH_INTERVAL_S = 1e-4    # the GIL's switch interval while serving (serve() says why)
+
 
 class Coordinator(Scheduler):
     """Serve one executor (``run``, ``num_slots``, ``max_seq``) on a ZMQ ROUTER socket."""
@@ -143,6 +145,12 @@ class Coordinator(Scheduler):
             # MPICH hydra with -disable-auto-cleanup SIGUSR1s the survivors when a rank dies; its
             # default action would kill rank 0 before it can answer the pending requests.
             old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_peer_signal)
+        # The decode thread holds the GIL while it busy-polls the GPU's token ring (and between the CPU
+        # backend's BLAS calls); this loop, woken for each token, then waited up to the default 5 ms switch
+        # interval for it, so tokens reached clients 0-5 ms late and in bursts (TTFT in 5 ms steps on the
+        # H200). At 0.1 ms the loop gets the GIL within a tenth of a GPU token.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
         thread = threading.Thread(target=self._decode_loop, name="kog-decode", daemon=True)
         thread.start()
         self.log(f"serving on {self.bound} (slots {len(self.slots)}, max_seq {self.max_seq}, "
@@ -178,6 +186,7 @@ class Coordinator(Scheduler):
                 thread.join(timeout=10)
             for sig, h in old.items():
                 signal.signal(sig, h)
+            sys.setswitchinterval(switch_interval)
             self.sock.close(linger=1000)        # flush the last replies (errors, results)
             self.wake_rx.close(0)
             if self.secret_path:

@@ -96,6 +96,40 @@ def test_cancel_stops_within_a_few_tokens(model):
         assert c.generate(prompt_ids=PROMPT, max_new_tokens=3).stop_reason == "length"
 
 
+class Spinning(Throttled):
+    """A backend whose host holds the GIL between tokens, as the cuda backend's host does while it polls
+    the kernel's token ring: after each token it spins `delay` seconds in Python. Stamps each token."""
+
+    def run(self, cmd, on_token=None):
+        def spin(t):
+            self.emitted.append(time.perf_counter())
+            go = on_token(t) if on_token else True
+            end = time.perf_counter() + self.delay
+            while time.perf_counter() < end:
+                pass
+            return go
+        self.emitted = []
+        return self.b.run(cmd, spin)
+
+
+def test_tokens_reach_the_client_while_the_host_holds_the_gil(model):
+    """The serving loop relays each token while the decode thread spins holding the GIL (the coordinator
+    lowers the switch interval while it serves, and restores it after). At Python's default 5 ms the
+    loop, then this in-process client, each waited up to 5 ms for the GIL: ~10 ms a token."""
+    import sys
+    before = sys.getswitchinterval()
+    backend, cfg, tok = load(model)
+    spinning = Spinning(backend, 0.02)
+    with Server(spinning, tok, cfg) as srv, Client(srv.endpoint, timeout=10) as c:
+        lat = []
+        for ch in c.stream(prompt_ids=PROMPT, max_new_tokens=12):
+            now = time.perf_counter()
+            lat += [now - spinning.emitted[len(lat) + k] for k in range(len(ch["token_ids"]))]
+    assert len(lat) == 12
+    assert sorted(lat)[len(lat) // 2] < 0.003, [round(x * 1e3, 2) for x in lat]
+    assert sys.getswitchinterval() == before
+
+
 def test_queue_positions_and_busy(model):
     backend, cfg, tok = load(model)
     with Server(Throttled(backend, 0.01), tok, cfg, queue_limit=1) as srv:
