@@ -253,8 +253,7 @@ class Kernels:
 def build(cfg, dtype: str, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True,
           extra: dict | None = None, nranks: int = 1, marks: bool = False, spec: int = 0) -> Kernels:
     """extra: more CFG_* defines (tuning variants, docs/monokernel.md: CFG_PF, CFG_PFS, CFG_NR_WO, CFG_NR_W2,
-    CFG_UBMAX, CFG_UB_QKV, CFG_NT, CFG_SKEW_NS, CFG_ATT_MINPOS, CFG_ATT_MERGE, CFG_KVPF_W2, CFG_PF_W13_ATT,
-    CFG_PCONST);
+    CFG_UBMAX, CFG_UB_QKV, CFG_NT, CFG_SKEW_NS, CFG_ATT_MINPOS, CFG_ATT_MERGE, CFG_KVPF_W2, CFG_PCONST);
     the defaults are what the backend uses.
     nranks > 1: the kernel of one rank of the multi-rank backend (cfg: the model's config; nblocks: given
     by the backend).

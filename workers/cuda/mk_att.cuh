@@ -207,22 +207,6 @@ __device__ __forceinline__ void att_merge_step(const Params& p_, float* sm, int 
   if (threadIdx.x == 0) st_release(ATT_DONE(p, i, g), (u64)n + 1);
 }
 
-// CFG_PF_W13_ATT > 0 (to be measured; 0: off): bytes of its W13 rows each block asks L2 for during attention,
-// which leaves the memory idle on one-lane models (Llama-3.2-1B: ~6 us a layer before W13 streams 67 MB):
-// blocks without attention units at once, the others after their signal, so their own loads go first. A
-// phase earlier than W13's own prefetch, and larger: W13 then reads those bytes from L2.
-#ifndef CFG_PF_W13_ATT
-#define CFG_PF_W13_ATT 0
-#endif
-__device__ __forceinline__ void prefetch_w13_att(const Params& p, int i) {
-  if constexpr (CFG_PF_W13_ATT > 0) {
-    int a, b;
-    brange(U_W13, a, b);
-    prefetch_w(p, (long long)i * LAYER_SZ + OFF_W13 + (long long)a * UE_W13, (long long)(b - a) * UE_W13,
-               CFG_PF_W13_ATT);
-  }
-}
-
 __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i, int t, int tok) {
   const Params& p = NOINL_PARAMS(p_);
   int ua, ub;
@@ -236,10 +220,7 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
     const int nb = wbuf_fill_w(p, sm, Eo + (long long)wa * UE_WO, wb - wa, UE_WO, true);
     prefetch_w(p, Eo + (long long)(wa + nb) * UE_WO, (long long)(wb - wa - nb) * UE_WO, PF_ATT);
   }
-  if (ua >= ub) {
-    prefetch_w13_att(p, i);
-    return;
-  }
+  if (ua >= ub) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* sq = sm;                        // [G][HD]
   float* wacc = sm + G * HD;             // [NW][G][HD]
@@ -320,7 +301,6 @@ __device__ __noinline__ void phase_att(const Params& p_, float* sm, int n, int i
     }
   }
   signal_lanes(p, C_ATT, UPL_ATT, ua, ub);
-  prefetch_w13_att(p, i);
   tmark(p, n, ph, 2);
 }
 
