@@ -27,11 +27,11 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
             nranks: int = 1, marks: bool = False) -> dict:
     """-D options of one build. nranks > 1: the kernel of one of nranks ranks (multirank.defines: the
     rank's lanes/heads/kv heads/ffn rows, CFG_LG, KOG_NRANKS); nranks == 1 gives the measured build's.
-    prefetch None: prefetch_bytes(nranks). marks: compile the per-phase clock marks in (CFG_MARKS, for
+    prefetch None: prefetch_bytes(nranks, lanes). marks: compile the per-phase clock marks in (CFG_MARKS, for
     `kog bench --profile`; 1.4% slower on one H200, so the decode build leaves them out)."""
     sw = cfg.sliding_window or 0
     if prefetch is None:
-        prefetch = prefetch_bytes(nranks)
+        prefetch = prefetch_bytes(nranks, cfg.num_lanes)
     if nranks > 1:
         from .multirank import defines as mr_defines
         d = defines(cfg, dtype, nblocks, prefetch, None, marks=marks)
@@ -113,14 +113,17 @@ def qkv_loads(nranks: int = 1) -> int:
     return 24 if nranks <= 2 else 12
 
 
-def prefetch_bytes(nranks: int = 1) -> int:
+def prefetch_bytes(nranks: int = 1, num_lanes: int = 8) -> int:
     """CFG_PF: bytes of its next weights each block asks L2 for before it waits. A rank's phases are 1/N of
-    the model's, so a rank of several needs less. Measured on the 2B shape (the sizes tried and their runs:
-    docs/lab/benchmarks-2026-11.md):
-    - one rank: 64 KB (smaller and larger sizes were slower, none most);
+    the model's, so a rank of several needs less. Measured (the sizes tried and their runs:
+    docs/lab/benchmarks-2026-11.md for the 2B shape, BENCHMARKS.md "Results of 2026-12-05 (twenty-ninth
+    session)" for one lane):
+    - one rank of several lanes (the 2B shape): 64 KB (smaller and larger sizes were slower, none most);
+    - one-lane models: 32 KB (Llama-3.2-1B bf16 +2.8%, Q4_0 +1.7% against 64 KB; 16-24 KB level, 48 KB
+      between; SmolLM2-135M level from 32 to 256 KB);
     - two ranks, one GPU each: 32 KB (48 / 64 KB and none slower, 16 / 24 KB level);
     - more ranks: 64 KB as before, since no machine of 4 or 8 GPUs was lent to measure a smaller size."""
-    return 32768 if nranks == 2 else 65536
+    return 32768 if nranks == 2 or (nranks == 1 and num_lanes == 1) else 65536
 
 
 def skew_ns(cfg, dtype: str, nranks: int = 1) -> int:
