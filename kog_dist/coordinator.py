@@ -55,6 +55,23 @@ from .scheduler import (Scheduler, _encode, _lcp, _make_command, _owner_key, _pc
 from .textstream import TextStream, find_stop  # noqa: F401
 
 SWITCH_INTERVAL_S = 1e-4    # the GIL's switch interval while serving (serve() says why)
+_serving = {"count": 0, "saved": None}      # coordinators serving in this process; the interval before the first
+_serving_lock = threading.Lock()
+
+
+def _lower_switch_interval():
+    with _serving_lock:
+        if _serving["count"] == 0:
+            _serving["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_serving["saved"], SWITCH_INTERVAL_S))
+        _serving["count"] += 1
+
+
+def _restore_switch_interval():
+    with _serving_lock:
+        _serving["count"] -= 1
+        if _serving["count"] == 0:
+            sys.setswitchinterval(_serving["saved"])
 
 
 class Coordinator(Scheduler):
@@ -149,8 +166,6 @@ class Coordinator(Scheduler):
         # backend's BLAS calls); this loop, woken for each token, then waited up to the default 5 ms switch
         # interval for it, so tokens reached clients 0-5 ms late and in bursts (TTFT in 5 ms steps on the
         # H200). At 0.1 ms the loop gets the GIL within a tenth of a GPU token.
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
         thread = threading.Thread(target=self._decode_loop, name="kog-decode", daemon=True)
         thread.start()
         self.log(f"serving on {self.bound} (slots {len(self.slots)}, max_seq {self.max_seq}, "
@@ -158,6 +173,7 @@ class Coordinator(Scheduler):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
+        _lower_switch_interval()
         try:
             while True:
                 ready = dict(poller.poll(int(self.probe_s * 400)))
@@ -186,7 +202,7 @@ class Coordinator(Scheduler):
                 thread.join(timeout=10)
             for sig, h in old.items():
                 signal.signal(sig, h)
-            sys.setswitchinterval(switch_interval)
+            _restore_switch_interval()
             self.sock.close(linger=1000)        # flush the last replies (errors, results)
             self.wake_rx.close(0)
             if self.secret_path:

@@ -128,6 +128,12 @@ def test_tokens_reach_the_client_while_the_host_holds_the_gil(model):
     assert len(lat) == 12
     assert sorted(lat)[len(lat) // 2] < 0.003, [round(x * 1e3, 2) for x in lat]
     assert sys.getswitchinterval() == before
+    # two coordinators in one process: the first to stop leaves the interval low for the other
+    with Server(backend, tok, cfg) as a:
+        with Server(backend, tok, cfg):
+            pass
+        assert sys.getswitchinterval() < before
+    assert sys.getswitchinterval() == before
 
 
 def test_queue_positions_and_busy(model):
