@@ -129,7 +129,7 @@ def test_tokens_reach_the_client_while_the_host_holds_the_gil(model):
     assert sorted(lat)[len(lat) // 2] < 0.003, [round(x * 1e3, 2) for x in lat]
     assert sys.getswitchinterval() == before
     # two coordinators in one process: the first to stop leaves the interval low for the other
-    with Server(backend, tok, cfg) as a:
+    with Server(backend, tok, cfg):
         with Server(backend, tok, cfg):
             pass
         assert sys.getswitchinterval() < before
