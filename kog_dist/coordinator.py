@@ -162,10 +162,6 @@ class Coordinator(Scheduler):
             # MPICH hydra with -disable-auto-cleanup SIGUSR1s the survivors when a rank dies; its
             # default action would kill rank 0 before it can answer the pending requests.
             old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_peer_signal)
-        # The decode thread holds the GIL while it busy-polls the GPU's token ring (and between the CPU
-        # backend's BLAS calls); this loop, woken for each token, then waited up to the default 5 ms switch
-        # interval for it, so tokens reached clients 0-5 ms late and in bursts (TTFT in 5 ms steps on the
-        # H200). At 0.1 ms the loop gets the GIL within a tenth of a GPU token.
         thread = threading.Thread(target=self._decode_loop, name="kog-decode", daemon=True)
         thread.start()
         self.log(f"serving on {self.bound} (slots {len(self.slots)}, max_seq {self.max_seq}, "
@@ -173,6 +169,10 @@ class Coordinator(Scheduler):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
+        # The decode thread holds the GIL while it busy-polls the GPU's token ring (and between the CPU
+        # backend's BLAS calls); this loop, woken for each token, then waited up to the default 5 ms switch
+        # interval for it, so tokens reached clients 0-5 ms late and in bursts (TTFT in 5 ms steps on the
+        # H200). At 0.1 ms the loop gets the GIL within a tenth of a GPU token.
         _lower_switch_interval()
         try:
             while True:
