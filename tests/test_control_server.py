@@ -3,6 +3,7 @@ engine's, sessions continue from the KV cache, cancel, queue and busy, stop stri
 backend failure, eviction and expiry. (Multi-rank runs: test_control_mpi.py.)"""
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -116,7 +117,6 @@ def test_tokens_reach_the_client_while_the_host_holds_the_gil(model):
     """The serving loop relays each token while the decode thread spins holding the GIL (the coordinator
     lowers the switch interval while it serves, and restores it after). At Python's default 5 ms the
     loop, then this in-process client, each waited up to 5 ms for the GIL: ~10 ms a token."""
-    import sys
     before = sys.getswitchinterval()
     backend, cfg, tok = load(model)
     spinning = Spinning(backend, 0.02)

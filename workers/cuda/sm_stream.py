@@ -106,5 +106,6 @@ def main(argv=None) -> int:
         return json.dumps(r) if a.json else table(r)
     return probe_main("sm_stream", lambda: [int(s) for s in a.sms.split(",") if s.strip()], work)
 
+
 if __name__ == "__main__":
     sys.exit(main())
