@@ -45,9 +45,11 @@ class AsyncRequest:
     def __init__(self, client: "AsyncClient", rid: int, conn: "_Conn", owns_conn: bool = True):
         self.client, self.id, self.conn, self.owns_conn = client, rid, conn, owns_conn
         self.queue: collections.deque = collections.deque()
-        self.rid = None                      # the server's request number, from `accepted`
+        self.rid = None                      # the server's request number, from its first reply
+        self.quiet = False                   # sent `quiet`: maybe no `accepted`, cancelled by req_id until a reply
         self.done = False
         self._back = None                    # a message ready_chunks() took but did not return
+        self._unread = None                  # a message given back by unread(), already taken
         self._waiter = None                  # the Future a consumer waits on while the queue is empty
         self._timer = None                   # one timer a request (not one a message): _on_timer
         self._deadline = 0.0
@@ -56,6 +58,9 @@ class AsyncRequest:
         return self
 
     async def __anext__(self) -> dict:
+        if self._unread is not None:
+            m, self._unread = self._unread, None
+            return m
         if self.done:
             raise StopAsyncIteration
         return self._take(await self._get(self.client.timeout))
@@ -100,6 +105,11 @@ class AsyncRequest:
         elif w is not None and not w.done():
             self._timer = loop.call_at(self._deadline, self._on_timer, timeout)
 
+    def unread(self, msg: dict) -> None:
+        """Give back the message the last __anext__ returned: the next one returns it again (a consumer
+        that looked at the first reply before handing the request on)."""
+        self._unread = msg
+
     def ready_chunks(self) -> list:
         """The `chunk` messages already waiting, without waiting (a consumer that fell behind sends
         them as one); the first message of another kind stays queued for the next __anext__."""
@@ -117,7 +127,7 @@ class AsyncRequest:
             self._end()
             raise msg
         kind = msg.get("type")
-        if kind == "accepted":
+        if self.rid is None:
             self.rid = msg.get("rid")
         if kind == "error":
             self._end()
@@ -140,20 +150,24 @@ class AsyncRequest:
     async def cancel(self) -> list:
         """Ask the server to stop this request (running: at the next token; queued: dropped). It goes
         over the request's own connection: the coordinator takes cancels from a request's owner."""
-        if self.done or self.rid is None:
+        if self.done or (self.rid is None and not self.quiet):
             return []
         try:
-            r = await self.client.call("cancel", rid=self.rid, timeout=5.0, _conn=self.conn)
+            r = await self.client.call("cancel", **self._which(), timeout=5.0, _conn=self.conn)
         except (ServerError, ClientTimeout, ServerGone):
             return []
         return r.get("cancelled", [])
 
+    def _which(self) -> dict:
+        """What a cancel names this request by: its rid, or before any reply to a quiet one its message id."""
+        return {"rid": self.rid} if self.rid is not None else {"req_id": self.id}
+
     def abandon(self) -> None:
         """Stop listening, and cancel on the server without waiting (for a task being torn down)."""
         if not self.done:
-            if self.rid is not None:
+            if self.rid is not None or self.quiet:
                 try:
-                    self.client._send_on(self.conn, {"op": "cancel", "rid": self.rid}, next(self.client._ids))
+                    self.client._send_on(self.conn, {"op": "cancel", **self._which()}, next(self.client._ids))
                 except (ClientTimeout, ServerGone):
                     pass
             # the connection can serve again: the leftover replies carry an id nobody waits for
@@ -328,6 +342,7 @@ class AsyncClient:
         conn = _conn or self._take()
         rid = next(self._ids)
         req = AsyncRequest(self, rid, conn, owns_conn=_conn is None)
+        req.quiet = bool(msg.get("quiet"))
         self._pending[rid] = req
         try:
             self._send_on(conn, msg, rid)

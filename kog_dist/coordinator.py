@@ -421,6 +421,8 @@ class Coordinator(Scheduler):
                             not (r.session is not None and self._mine(r.session, ident, req)):
                         raise ProtocolError("forbidden", f"request {r.rid} belongs to another client")
                 pick = lambda r: r.rid == req["rid"]
+            elif "req_id" in req:    # the caller's request by its message id (a quiet one has no rid yet)
+                pick = lambda r: r.req_id == req["req_id"] and self._mine(r, ident, req)
             elif "session" in req:
                 s = self._session_of(ident, req)
                 pick = lambda r: r.session is s

@@ -184,6 +184,8 @@ def _generate(msg, out):
     out["top_p"] = _float(msg, "top_p", 0.0, 1.0, d["top_p"], lo_open=True)
     out["seed"] = _int(msg, "seed", 0, (1 << 64) - 1, d["seed"])
     out["stream"] = _bool(msg, "stream", d["stream"])
+    if "quiet" in msg:
+        out["quiet"] = _bool(msg, "quiet", False)
     stop = msg.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -225,6 +227,11 @@ def _open(msg, out):
 def _cancel(msg, out):
     if "rid" in msg:
         out["rid"] = _int(msg, "rid", 0, (1 << 63) - 1)
+    if "req_id" in msg:
+        out["req_id"] = request_id({"id": msg["req_id"]})
+        if out["req_id"] is None:
+            raise ProtocolError("bad_request", f"req_id must be an integer or a string of at most {MAX_ID_STR} "
+                                               f"characters, got {_show(msg['req_id'])}")
     _session(msg, out, required=False)
 
 
@@ -233,11 +240,11 @@ OPS = {
     "stats": ((), None),
     "shutdown": (("secret",), lambda m, o: o.update(secret=_str(m, "secret", MAX_SECRET)) if "secret" in m else None),
     "generate": (("prompt", "prompt_ids", "messages", "add_bos", "session", "max_new_tokens", "temperature",
-                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative"), _generate),
+                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative", "quiet"), _generate),
     "open": (("ttl_s", "owner"), _open),
     "append": (("session", "prompt", "prompt_ids", "add_bos", "owner"), _append),
     "close": (("session", "owner"), lambda m, o: _session(m, o, required=True)),
-    "cancel": (("rid", "session", "owner"), _cancel),
+    "cancel": (("rid", "req_id", "session", "owner"), _cancel),
 }
 
 

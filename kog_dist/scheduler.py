@@ -202,7 +202,10 @@ class Scheduler:
             session.last_used = time.monotonic()
         self.queue.append(r)
         r.position = len(self.queue) if busy else 0
-        self._reply(r, {"type": "accepted", "position": r.position})
+        if r.position or not req.get("quiet"):
+            # quiet: a request that starts at once hears first from its first chunk (a gateway saves
+            # a wake-up and its work during the prefill, on cores the prefill may share)
+            self._reply(r, {"type": "accepted", "position": r.position})
         self._dispatch()
 
     def _send_positions(self):

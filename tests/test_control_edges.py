@@ -112,3 +112,49 @@ def test_health_answers_while_decoding(slow):
             assert h["active"] == st.rid and time.monotonic() - t0 < 0.5
         st.close()
         assert wait_until(lambda: b.health()["active"] is None, 5)
+
+
+def test_quiet_requests_hear_first_from_their_tokens_and_cancel_by_req_id(slow, ref):
+    """`quiet`: no `accepted` for a request that starts at once (its first reply is a chunk, carrying its rid),
+    `accepted` with the place for a queued one; `cancel` by `req_id` stops the caller's running or queued
+    request before it has a rid, and never another connection's."""
+    d, other = (zmq.Context.instance().socket(zmq.DEALER) for _ in range(2))
+    for s in (d, other):
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(slow.endpoint)
+    try:
+        d.send(P.packb({"v": 1, "op": "generate", "id": 1, "prompt_ids": PROMPT, "max_new_tokens": 3,
+                        "stream": True, "quiet": True}))
+        got = _final(d, 1)
+        assert [m["type"] for m in got] == ["chunk"] * len(got[:-1]) + ["result"] and got[0]["rid"] == got[-1]["rid"]
+        assert got[-1]["token_ids"] == ref.ids(PROMPT, 3)
+        # a long one runs; a second, quiet, is queued behind it and told so
+        d.send(P.packb({"v": 1, "op": "generate", "id": 2, "prompt_ids": PROMPT, "max_new_tokens": 300,
+                        "stream": True, "quiet": True}))
+        d.send(P.packb({"v": 1, "op": "generate", "id": 3, "prompt_ids": PROMPT, "max_new_tokens": 300,
+                        "quiet": True}))
+        by_id = {}
+        while 3 not in by_id or 2 not in by_id:
+            assert d.poll(10000)
+            m = P.unpackb(d.recv(), P.MAX_REPLY_BYTES)
+            by_id.setdefault(m["id"], []).append(m)
+        assert by_id[3][0]["type"] == "accepted" and by_id[3][0]["position"] == 1
+        assert by_id[2][0]["type"] == "chunk"
+        # another connection naming the same message ids cancels nothing of this one's
+        other.send(P.packb({"v": 1, "op": "cancel", "id": 9, "req_id": 2}))
+        assert _final(other, 9)[-1]["cancelled"] == []
+        d.send(P.packb({"v": 1, "op": "cancel", "id": 4, "req_id": 3}))     # the queued one
+        d.send(P.packb({"v": 1, "op": "cancel", "id": 5, "req_id": 2}))     # the running one
+        ends = {}
+        while len(ends) < 4:
+            assert d.poll(10000)
+            m = P.unpackb(d.recv(), P.MAX_REPLY_BYTES)
+            if m["type"] in ("ok", "error", "result"):
+                ends[m["id"]] = m
+        assert ends[4]["cancelled"] == [by_id[3][0]["rid"]] and ends[3]["code"] == "cancelled"
+        assert ends[5]["cancelled"] == [by_id[2][0]["rid"]] and ends[2]["stop_reason"] == "cancel"
+        d.send(P.packb({"v": 1, "op": "cancel", "id": 6, "req_id": "x" * 129}))
+        assert _final(d, 6)[-1]["code"] == "bad_request"
+    finally:
+        d.close(0)
+        other.close(0)

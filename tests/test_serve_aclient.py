@@ -156,3 +156,36 @@ def test_text_events_from_the_template_equal_chunk_body_json(chat, text):
     assert fast == b"data: " + _json(ev) + b"\n\n"
     back = json.loads(fast[6:])
     assert (back["choices"][0]["delta"]["content"] if chat else back["choices"][0]["text"]) == text
+
+
+def test_abandoning_a_quiet_request_before_any_reply_cancels_it_by_its_message_id(router):
+    """A `quiet` request that starts at once has no rid until its first token: abandoned before that (its HTTP
+    client left during the prefill), it is cancelled by `req_id`, on its own connection; once a reply told its
+    rid, by rid."""
+    seen = []
+
+    def plan(msg):
+        seen.append(msg)
+        return [(0, {"type": "chunk", "rid": 7, "token_ids": [1], "text": "a"})] if msg.get("max_new_tokens") == 2 \
+            else []
+
+    r = router(plan)
+
+    async def go():
+        c = await AsyncClient(r.endpoint, timeout=5).start()
+        try:
+            a = c.request({"op": "generate", "prompt": "x", "quiet": True, "max_new_tokens": 1})
+            a.abandon()
+            b = c.request({"op": "generate", "prompt": "x", "quiet": True, "max_new_tokens": 2})
+            assert (await b.__anext__())["type"] == "chunk"
+            b.abandon()
+            deadline = time.monotonic() + 5
+            while len([m for m in seen if m["op"] == "cancel"]) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return a.id
+        finally:
+            await c.close()
+    a_id = _run(go())
+    cancels = [m for m in seen if m["op"] == "cancel"]
+    assert [{k: m.get(k) for k in ("rid", "req_id")} for m in cancels] == [{"rid": None, "req_id": a_id},
+                                                                          {"rid": 7, "req_id": None}]
