@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 
 
 def coordinator(endpoint: str, gap: float, stamps: str):
-    """The stand-in: health, generate (accepted, n chunks gap apart, result), cancel; each generate's arrival
+    """The stand-in: health, generate (accepted unless quiet, n chunks gap apart, result), cancel; each generate's arrival
     and first chunk's send times (time.monotonic) appended to `stamps`."""
     import msgpack
     import zmq
@@ -51,7 +51,8 @@ def coordinator(endpoint: str, gap: float, stamps: str):
             t_in = time.monotonic()
             rid += 1
             n = int(body.get("max_new_tokens", 16))
-            reply(env, {"id": mid, "type": "accepted", "rid": rid, "position": 0})
+            if not body.get("quiet"):                # as the coordinator: a quiet request that starts at once hears nothing
+                reply(env, {"id": mid, "type": "accepted", "rid": rid, "position": 0})
             time.sleep(gap)                          # the prefill
             for i in range(n):
                 if i == 0:

@@ -1,5 +1,6 @@
-"""The HTTP gateway: an ASGI app (Starlette) in front of one coordinator, reached through
-``kog_dist.aclient.AsyncClient`` (one shared DEALER connection; docs/serve.md says why Starlette).
+"""The HTTP gateway: an ASGI app in front of one coordinator, reached through ``kog_dist.aclient.AsyncClient``
+(a connection a request in flight). Generation runs on raw ASGI (its way in is TTFT), the other routes on
+Starlette (docs/serve.md says why).
 
     gw = Gateway("tcp://127.0.0.1:5555", model_name="SmolLM2", api_key=None)
     app = gw.app                       # run it with uvicorn; gw.ready is set once the model answers
@@ -29,6 +30,7 @@ from .metrics import Metrics
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 MAX_BODY_BYTES = 1 << 20      # the coordinator takes frames up to 1 MiB; larger bodies get 413 here
+GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}    # path -> chat
 
 
 def served_name(model: str) -> str:
@@ -45,12 +47,12 @@ def _json(obj) -> bytes:
 _MARK = "\x00kog-text\x00"
 
 
-def text_event_parts(cid, created, model, chat) -> tuple[bytes, bytes]:
+def text_event_parts(cid, created, model, chat, role=False) -> tuple[bytes, bytes]:
     """The bytes of a streamed text event around its text and its kog_tokens count, cut once from the
     event that chunk_body and _json write (so the two always agree): an event is then
     ``head + encode_basestring(text).encode() + mid + b"%d}\\n\\n" % tokens``. A token on two cores
     shared with the decode cannot afford a dict and a JSON encoder pass of its own."""
-    ev = O.chunk_body(cid, created, model, chat, _MARK)
+    ev = O.chunk_body(cid, created, model, chat, _MARK, role=role)
     ev["kog_tokens"] = 0
     head, tail = _json(ev).split(_json(_MARK))
     if not tail.endswith(b'"kog_tokens":0}'):
@@ -98,16 +100,19 @@ class Gateway:
         self.starlette = Starlette(routes=[
             Route("/", self.index), Route("/health", self.get_health), Route("/metrics", self.get_metrics),
             Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", _Generate(self, False), methods=["POST"]),
+            Route("/v1/chat/completions", _Generate(self, True), methods=["POST"]),
         ], lifespan=self._lifespan)
         starlette = self.starlette
 
         async def app(scope, receive, send):
-            """Starlette, with the server's own `send` kept in the scope for the streams, whose events
-            skip Starlette's two send wrappers (they only note that a response started, and _SSE
-            answers its own errors). A plain function: uvicorn tells ASGI 3 apps by that."""
-            scope["kog.send"] = send
+            """Generation goes straight to `generate` (Starlette's middleware, router and Request cost ~0.1 ms
+            of the way in, which is TTFT), the rest through Starlette. A plain function: uvicorn tells ASGI 3
+            apps by that."""
+            if scope["type"] == "http" and scope["method"] == "POST":
+                chat = GENERATE_PATHS.get(scope["path"])
+                if chat is not None:
+                    return await self.generate(scope, receive, send, chat)
             await starlette(scope, receive, send)
         self.app = app
 
@@ -162,15 +167,18 @@ class Gateway:
             await asyncio.sleep(self.health_every_s if self.state == "ok" else 0.2)
 
     # ------------------------------------------------------------------------------ checks
-    def _auth(self, request: Request):
+    def _auth(self, header: bytes):
+        """`header`: the Authorization header's value (bytes; b"" when absent)."""
         if self._key is None:
             return
-        h = request.headers.get("authorization", "")
-        given = h[7:].strip().encode() if h[:7].lower() == "bearer " else b""
+        given = header[7:].strip() if header[:7].lower() == b"bearer " else b""
         if not hmac.compare_digest(given, self._key):
             raise O.ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
                              type_="authentication_error", code="invalid_api_key",
                              headers={"WWW-Authenticate": "Bearer"})
+
+    def _auth_request(self, request: Request):
+        self._auth(request.headers.get("authorization", "").encode("latin-1"))
 
     def _available(self):
         if self.state != "ok":
@@ -186,17 +194,24 @@ class Gateway:
             raise O.ApiError(404, f"the model {m!r} does not exist; this server serves {self.model_name!r}"[:200],
                              param="model", code="model_not_found")
 
-    async def _body(self, request: Request) -> dict:
-        cl = request.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > self.max_body:
-            raise O.ApiError(413, f"the request body of {cl} bytes is over the limit of {self.max_body}")
-        data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > self.max_body:
+    async def _body(self, content_length: bytes | None, receive) -> dict:
+        """The request's JSON object, read from ASGI `receive`; 413 over --max-body-bytes."""
+        if content_length is not None and content_length.isdigit() and int(content_length) > self.max_body:
+            raise O.ApiError(413, f"the request body of {content_length.decode()} bytes is over the limit of "
+                                  f"{self.max_body}")
+        parts, size, more = [], 0, True
+        while more:
+            m = await receive()
+            if m["type"] != "http.request":        # gone before its body arrived: nobody to answer
+                raise O.ApiError(400, "the client disconnected")
+            parts.append(m.get("body", b""))
+            size += len(parts[-1])
+            more = m.get("more_body", False)
+            if size > self.max_body:
                 raise O.ApiError(413, f"the request body is over the limit of {self.max_body} bytes")
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
-            body = json.loads(bytes(data))
+            body = json.loads(data)
         except RecursionError:
             raise O.bad(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
         except (ValueError, UnicodeDecodeError) as e:
@@ -220,7 +235,7 @@ class Gateway:
 
     async def get_metrics(self, request):
         try:
-            self._auth(request)
+            self._auth_request(request)
         except O.ApiError as e:
             return error_response(e)
         return PlainTextResponse(self.metrics.render(self.health if self.state == "ok" else {}),
@@ -232,63 +247,103 @@ class Gateway:
 
     async def models(self, request):
         try:
-            self._auth(request)
+            self._auth_request(request)
         except O.ApiError as e:
             return error_response(e)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request):
         try:
-            self._auth(request)
+            self._auth_request(request)
             self._check_model({"model": request.path_params["model"]})
         except O.ApiError as e:
             return error_response(e)
         return JSONResponse(self._model_card())
 
     # ------------------------------------------------------------------------------ generation
-    async def completions(self, request):
-        return await self._generate(request, chat=False)
-
-    async def chat_completions(self, request):
-        return await self._generate(request, chat=True)
-
-    async def _generate(self, request: Request, chat: bool):
+    async def generate(self, scope, receive, send, chat: bool):
+        """POST /v1/completions and /v1/chat/completions, on raw ASGI: checks, then the request goes to the
+        coordinator `quiet` (no `accepted` if it starts at once), and its first reply decides the answer: an
+        error its status, a queued place the stream's start at once, a chunk the start with its first event.
+        A disconnect at any point cancels it on the coordinator."""
         endpoint = "chat" if chat else "completions"
         t0 = time.perf_counter()
         try:
-            self._auth(request)
-            body = await self._body(request)
+            headers = dict(scope["headers"])
+            self._auth(headers.get(b"authorization", b""))
+            body = await self._body(headers.get(b"content-length"), receive)
             self._check_model(body)
             self._available()
             max_seq = int(self.health.get("max_seq") or 0)
             msg = O.chat_request(body, max_seq) if chat else O.completion_request(body, max_seq)
-            stream = msg["stream"]
+            msg["quiet"] = True
             req = self.client.request(msg)
-            try:
-                first = await req.__anext__()          # accepted, or the error that refuses it
-            except BaseException:
-                req.abandon()
-                raise
         except O.ApiError as e:
-            self.metrics.request(endpoint, e.status)
-            return error_response(e)
+            return await self._refuse(send, endpoint, e)
+        except (ClientTimeout, ServerGone) as e:
+            return await self._refuse(send, endpoint, _unavailable(e))
+        self.metrics.in_flight += 1
+        watch = asyncio.ensure_future(_watch_disconnect(receive, req))
+        try:
+            cid = O.new_id("chatcmpl" if chat else "cmpl")
+            model = self.model_name or "kog"
+            # what the answer needs is made while the coordinator prefills, not after its first token
+            sse = _SSE(self, req, cid, model, chat, O.include_usage(body), t0, endpoint, watch) if msg["stream"] \
+                else None
+            try:
+                first = await req.__anext__()          # an error, a queued place, a chunk, progress, the result
+            except StopAsyncIteration:                 # the client went away before anything came
+                return
+            except ServerError as e:
+                return await self._refuse(send, endpoint, O.from_server_error(e.code, e.message))
+            except (ClientTimeout, ServerGone) as e:
+                return await self._refuse(send, endpoint, _unavailable(e))
+            req.unread(first)
+            if sse is not None:
+                await sse.run(send, queued=first.get("type") == "accepted" and bool(first.get("position")))
+            else:
+                await self._whole(send, req, cid, model, chat, endpoint, watch)
+        finally:
+            watch.cancel()
+            self.metrics.in_flight -= 1
+            if not req.done:
+                req.abandon()
+
+    async def _refuse(self, send, endpoint, e: O.ApiError):
+        self.metrics.request(endpoint, e.status)
+        await _send_whole(send, e.status, _json(e.body()), e.headers)
+
+    async def _whole(self, send, req, cid, model, chat, endpoint, watch):
+        """A non-streaming completion: wait for the result."""
+        status, out, headers = 200, None, {}
+        try:
+            async for m in req:
+                if m.get("type") == "result":
+                    st = m.get("stats", {})
+                    self.metrics.finished(st, (st.get("queue_ms", 0) + st.get("ttft_ms", 0)) / 1000)
+                    out = O.completion_body(cid, model, m, chat)
         except ServerError as e:
             err = O.from_server_error(e.code, e.message)
-            self.metrics.request(endpoint, err.status)
-            return error_response(err)
+            status, out, headers = err.status, err.body(), err.headers
         except (ClientTimeout, ServerGone) as e:
-            self.metrics.request(endpoint, 503)
-            return error_response(O.ApiError(503, str(e), type_="server_error", code="unavailable",
-                                             headers={"Retry-After": "1"}))
-        cid = O.new_id("chatcmpl" if chat else "cmpl")
-        model = self.model_name or "kog"
-        if first.get("type") == "result":      # (not expected: accepted always comes first)
-            return JSONResponse(O.completion_body(cid, model, first, chat))
-        self.metrics.in_flight += 1
-        if stream:
-            return _SSE(self, req, cid, model, chat, O.include_usage(body), t0, endpoint,
-                        queued=bool(first.get("position")))
-        return _Whole(self, req, cid, model, chat, t0, endpoint)
+            err = _unavailable(e)
+            status, out, headers = err.status, err.body(), err.headers
+        if out is None or (watch.done() and not watch.cancelled()):     # disconnected: nobody to answer
+            return
+        self.metrics.request(endpoint, status)
+        await _send_whole(send, status, _json(out), headers)
+
+
+def _unavailable(e) -> O.ApiError:
+    return O.ApiError(503, str(e), type_="server_error", code="unavailable", headers={"Retry-After": "1"})
+
+
+async def _send_whole(send, status: int, body: bytes, headers: dict):
+    """A whole JSON response on raw ASGI."""
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+        *((k.lower().encode(), str(v).encode()) for k, v in headers.items())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _watch_disconnect(receive, req):
@@ -300,56 +355,20 @@ async def _watch_disconnect(receive, req):
             return
 
 
-class _Whole:
-    """A non-streaming completion: wait for the result, cancelling if the client disconnects."""
-
-    def __init__(self, gw, req, cid, model, chat, t0, endpoint):
-        self.gw, self.req, self.cid, self.model, self.chat, self.t0 = gw, req, cid, model, chat, t0
-        self.endpoint = endpoint
-
-    async def __call__(self, scope, receive, send):
-        watch = asyncio.ensure_future(_watch_disconnect(receive, self.req))
-        status, out, headers = 200, None, {}
-        try:
-            async for m in self.req:
-                if m.get("type") == "result":
-                    st = m.get("stats", {})
-                    self.gw.metrics.finished(st, (st.get("queue_ms", 0) + st.get("ttft_ms", 0)) / 1000)
-                    out = O.completion_body(self.cid, self.model, m, self.chat)
-        except ServerError as e:
-            err = O.from_server_error(e.code, e.message)
-            status, out, headers = err.status, err.body(), err.headers
-        except (ClientTimeout, ServerGone) as e:
-            status, out, headers = 503, O.ApiError(503, str(e), type_="server_error").body(), {"Retry-After": "1"}
-        finally:
-            watch.cancel()
-            self.gw.metrics.in_flight -= 1
-            if not self.req.done:
-                self.req.abandon()
-        if self.req.done and out is None:        # disconnected: nobody to answer
-            return
-        self.gw.metrics.request(self.endpoint, status)
-        await Response(_json(out), status_code=status, media_type="application/json",
-                       headers=headers)(scope, receive, send)
-
-
 class _SSE:
     """A streaming completion as server-sent events, ending in `data: [DONE]`."""
 
-    def __init__(self, gw, req, cid, model, chat, usage, t0, endpoint, queued=False):
+    def __init__(self, gw, req, cid, model, chat, usage, t0, endpoint, watch):
         self.gw, self.req, self.cid, self.model, self.chat, self.usage = gw, req, cid, model, chat, usage
-        self.t0, self.endpoint, self.queued = t0, endpoint, queued
+        self.t0, self.endpoint, self.watch = t0, endpoint, watch
+        self.created = int(time.time())
+        self.head, self.mid = text_event_parts(cid, self.created, model, chat)
+        self.head1, self.mid1 = text_event_parts(cid, self.created, model, chat, role=True)   # the first event
 
     def _event(self, obj) -> dict:
         return {"type": "http.response.body", "body": b"data: " + _json(obj) + b"\n\n", "more_body": True}
 
-    async def __call__(self, scope, receive, send):
-        # the stream runs as a task of its own: a task resumes its whole chain of awaiting coroutines
-        # at every wake-up, and this one is a dozen deep (uvicorn, its middleware, Starlette's
-        # middleware, router and endpoint wrappers) when run in the request's task
-        await asyncio.ensure_future(self._stream(scope.get("kog.send", send), receive))
-
-    async def _stream(self, send, receive):
+    async def run(self, send, queued: bool):
         # the response's start goes out with its first event, not while the prefill runs: one wake-up of the
         # client instead of two, and no write of the gateway's on cores the prefill shares (a queued request's
         # at once: its wait can be long)
@@ -366,11 +385,10 @@ class _SSE:
             if event is not None:
                 await send_raw(event)
         send = send_first
-        if self.queued:     # behind another decode: its client hears the status now, not when this one starts
+        if queued:          # behind another decode: its client hears the status now, not when this one starts
             await send_first(None)
-        watch = asyncio.ensure_future(_watch_disconnect(receive, self.req))
-        created, first, ttft, tokens = int(time.time()), True, None, 0
-        head, mid = text_event_parts(self.cid, created, self.model, self.chat)
+        created, first, ttft, tokens = self.created, True, None, 0
+        head, mid = self.head, self.mid
         req = self.req
         try:
             async for m in req:
@@ -383,10 +401,9 @@ class _SSE:
                         tokens += sum(len(c.get("token_ids", ())) for c in more)
                     if ttft is None and tokens:
                         ttft = time.perf_counter() - self.t0
-                    if first:
-                        ev = O.chunk_body(self.cid, created, self.model, self.chat, text, role=True)
-                        ev["kog_tokens"] = tokens               # ids since the last event (the page's tokens/s)
-                        await send(self._event(ev))
+                    if first:           # kog_tokens: the ids since the last event (the page's tokens/s)
+                        await send({"type": "http.response.body", "more_body": True, "body": b"".join(
+                            (self.head1, encode_basestring(text).encode(), self.mid1, b"%d}\n\n" % tokens))})
                         first, tokens = False, 0
                     elif text:
                         await send({"type": "http.response.body", "more_body": True, "body": b"".join(
@@ -413,14 +430,20 @@ class _SSE:
                 pass
         except OSError:                               # the client is gone (a send failed)
             pass
-        finally:
-            watch.cancel()
-            self.gw.metrics.in_flight -= 1
-            if not req.done:
-                req.abandon()
-        if watch.done() and not watch.cancelled():
+        if self.watch.done() and not self.watch.cancelled():
             return
         try:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except OSError:
             pass
+
+
+class _Generate:
+    """The generation routes inside Starlette (reached when the fast path in Gateway.app does not match,
+    e.g. under a root path): the same raw ASGI handler."""
+
+    def __init__(self, gw, chat: bool):
+        self.gw, self.chat = gw, chat
+
+    async def __call__(self, scope, receive, send):
+        await self.gw.generate(scope, receive, send, self.chat)
