@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
+from . import zmtp
 from .client import BusyError, ClientTimeout, ServerError, ServerGone, _curve
 
 __all__ = ["AsyncClient", "AsyncRequest", "BusyError", "ClientTimeout", "ServerError", "ServerGone"]
@@ -214,8 +215,12 @@ class _Conn:
                 return
         self.loop.call_soon(self.drain)           # a flood: let the consumers run, then go on
 
-    def sent(self):
-        """After a send: libzmq may have taken the descriptor's edge for replies already waiting."""
+    def send(self, data: bytes):
+        try:
+            self.sock.send(data, _NOBLOCK)
+        except zmq.Again:
+            raise ClientTimeout(f"cannot send to {self.client.endpoint} (no connection)") from None
+        # libzmq may have taken the descriptor's edge for replies already waiting
         if self.sock.getsockopt(_EVENTS) & _POLLIN:
             self.loop.call_soon(self.drain)
 
@@ -224,6 +229,31 @@ class _Conn:
             self.closed = True
             self.loop.remove_reader(self.fd)
             self.sock.close(linger)
+
+
+class _ZmtpConn:
+    """A request connection that speaks ZMTP on the event loop itself (kog_dist.zmtp: no libzmq I/O thread to
+    wake on each message's way); for plain-TCP coordinators (CURVE ones get _Conn)."""
+
+    def __init__(self, client: "AsyncClient", host: str, port: int):
+        self.client, self.busy, self.closed = client, 0, False
+        self.dealer = zmtp.Dealer(client._route, self._lost, P.MAX_REPLY_BYTES)
+        self.dealer.open(client._loop, host, port)
+
+    def send(self, data: bytes):
+        try:
+            self.dealer.send(data)
+        except ConnectionError:
+            raise ServerGone(f"the connection to {self.client.endpoint} is closed") from None
+
+    def _lost(self, why: str):
+        self.closed = True
+        self.client._lost(self, why)
+
+    def close(self, linger=0):
+        if not self.closed:
+            self.closed = True
+            self.dealer.close()
 
 
 class AsyncClient:
@@ -235,10 +265,15 @@ class AsyncClient:
 
     MAX_IDLE = 32
 
-    def __init__(self, endpoint: str, timeout: float = 30.0, *, server_key=None, client_key=None):
-        P.endpoint_host(endpoint)                       # ValueError on a malformed endpoint
+    def __init__(self, endpoint: str, timeout: float = 30.0, *, server_key=None, client_key=None,
+                 zmtp_conns: bool = True):
+        host = P.endpoint_host(endpoint)                # ValueError on a malformed endpoint
         self.endpoint, self.timeout = endpoint, float(timeout)
         self._keys = (server_key, client_key)
+        # the requests' connections speak ZMTP themselves to a plain TCP coordinator; the main one (health,
+        # the server's comings and goings through its monitor, heartbeats) stays on libzmq
+        plain = host is not None and ";" not in endpoint and server_key is None and client_key is None
+        self._tcp = (host, int(endpoint.rsplit(":", 1)[1])) if zmtp_conns and plain else None
         self._ctx = zmq.Context.instance()
         self._loop = None
         self._main = self._mon = None
@@ -311,9 +346,16 @@ class AsyncClient:
             raise ServerGone("the client is closed")
         c = self._idle.pop() if self._idle else None
         if c is None:
-            c = _Conn(self)
+            c = _ZmtpConn(self, *self._tcp) if self._tcp else _Conn(self)
             self._all.add(c)
         return c
+
+    def _lost(self, conn, why: str):
+        """A ZMTP connection closed (the server went, or a protocol error): its request fails now."""
+        self._retire(conn)
+        for req in list(self._pending.values()):
+            if req.conn is conn:
+                req._put(ServerGone(f"the connection to {self.endpoint} closed: {why}"))
 
     def _release(self, conn: _Conn, reuse: bool):
         if conn is self._main or conn not in self._all:
@@ -330,12 +372,8 @@ class AsyncClient:
                 self._idle.remove(conn)
             conn.close(linger=200)
 
-    def _send_on(self, conn: _Conn, msg: dict, rid: int):
-        try:
-            conn.sock.send(P.packb({"v": P.VERSION, "id": rid, **msg}), zmq.NOBLOCK)
-        except zmq.Again:
-            raise ClientTimeout(f"cannot send to {self.endpoint} (no connection)") from None
-        conn.sent()
+    def _send_on(self, conn, msg: dict, rid: int):
+        conn.send(P.packb({"v": P.VERSION, "id": rid, **msg}))
 
     def request(self, msg: dict, _conn: _Conn | None = None) -> AsyncRequest:
         """Send a request now (on a connection of its own); iterate the AsyncRequest for its replies."""
@@ -346,7 +384,7 @@ class AsyncClient:
         self._pending[rid] = req
         try:
             self._send_on(conn, msg, rid)
-        except ClientTimeout:
+        except (ClientTimeout, ServerGone):
             req._end(reuse=False)
             raise
         return req
