@@ -14,6 +14,11 @@ token (the result's stats), so a gateway that slows the decode itself (CPU taken
 machine) shows there, not only at the client; "gateway CPU/token" is the CPU time the `kog serve`
 process spent during the request over its tokens (Linux, when this script started it; its ranks are
 other processes), idle between requests as well as streaming.
+
+The TTFT difference is also split at the coordinator's own stamps (accepted -> first token, its stats' queue_ms +
+ttft_ms): the coordinator's part (the prefill, which a gateway slows only by taking CPU from it) carries the
+prefill's whole spread; the rest (request sent -> accepted, first token -> the client has it) is the gateway's
+ways in and out, bounded by far fewer pairs.
 """
 from __future__ import annotations
 
@@ -221,7 +226,8 @@ def main(argv=None):
                     reused = max(reused, int(st.get("reused_tokens", 0)))
                     rows[name].append(((tf - t0) * 1000, (tl - tf) * 1000 / max(1, a.n - 1),
                                        float(st.get("decode_ms", 0.0)) / max(1, nt - 1),
-                                       (c1 - c0) / 1e6 / max(1, nt) if c0 is not None and c1 is not None else None))
+                                       (c1 - c0) / 1e6 / max(1, nt) if c0 is not None and c1 is not None else None,
+                                       float(st.get("queue_ms", 0.0)) + float(st.get("ttft_ms", 0.0))))
     finally:
         if proc is not None:
             proc.terminate()
@@ -229,7 +235,8 @@ def main(argv=None):
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"n": a.n, "reps": a.reps, "fields": ["ttft_ms", "per_token_ms", "decode_per_token_ms",
-                                                            "gateway_cpu_ms_per_token"], **rows}, f)
+                                                            "gateway_cpu_ms_per_token", "coordinator_ttft_ms"],
+                       **rows}, f)
     if reused:
         print(f"warning: a request reused {reused} cached prompt tokens: its TTFT is not comparable", file=sys.stderr)
     print(f"{a.reps} requests each, {a.n} tokens, greedy, streamed; medians (ms); load average "
@@ -255,6 +262,15 @@ def main(argv=None):
         print(f"{'  95% interval':<20} {ci[0][0]:>+.2f}..{ci[0][1]:<+.2f} {ci[1][0]:>+.3f}..{ci[1][1]:+.3f}   "
               f"({100 * ci[1][0] / base:+.2f}%..{100 * ci[1][1] / base:+.2f}% per token: the median's, "
               f"bootstrapped over the pairs)")
+        # the TTFT split at the coordinator's own stamps (accepted -> first token: queue_ms + ttft_ms): the
+        # prefill's spread stays in its part, so the ways in and out are bounded by far fewer pairs
+        own = [gi[4] - di[4] for di, gi in zip(d, g)]
+        ways = [(gi[0] - gi[4]) - (di[0] - di[4]) for di, gi in zip(d, g)]
+        for label, xs in (("coordinator's TTFT", own), ("ways in and out", ways)):
+            lo, hi = median_interval(xs)
+            print(f"{'  of which':<11}{label:<19} {med(xs):>+.3f} ms (95% {lo:+.2f}..{hi:+.2f}): "
+                  + ("accepted -> first token, the prefill the gateway's CPU may slow" if label[0] == "c" else
+                     "request sent -> accepted, first token -> the client has it"))
 
 
 def median_interval(xs, level=0.95, rounds=2000, seed=0):
