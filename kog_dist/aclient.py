@@ -10,12 +10,15 @@
     await c.close()
 
 Each request in flight has a DEALER connection of its own from a pool (the coordinator caps what one
-connection holds: half its queue, a few sessions); each connection's file descriptor is watched by the
-event loop itself (``loop.add_reader``), whose callback drains the socket and routes each reply by its
-`id` to the request's own queue, so a slow consumer never delays the others (its messages wait in its
-queue). Plain sockets, no ``zmq.asyncio``: a token costs one callback and one wake-up of its consumer,
-not a Future, a timer and a task step per message (on two cores shared with the decode, every
-microsecond the gateway spends per token is taken from the decode; bench/serve_overhead.py).
+connection holds: half its queue, a few sessions). To a plain TCP coordinator those connections speak ZMTP
+on the event loop's own transport (kog_dist.zmtp: libzmq's I/O thread is one more thread to wake on each
+message's way, ~0.2 ms of a first token on two busy cores); to a CURVE one they are libzmq DEALERs whose
+descriptors the loop watches (``loop.add_reader``). Either way each reply is routed by its `id` to the
+request's own queue, so a slow consumer never delays the others (its messages wait in its queue). No
+``zmq.asyncio``: a token costs one callback and one wake-up of its consumer, not a Future, a timer and a
+task step per message (on two cores shared with the decode, every microsecond the gateway spends per token
+is taken from the decode; bench/serve_overhead.py). The main connection (one-reply ops such as `health`,
+and the monitor that tells when the server comes and goes) is always libzmq's.
 Cancelling goes over the request's connection, so the coordinator sees the request's owner asking.
 When the server's connections drop, every request in flight raises ``ServerGone`` at once.
 """
