@@ -18,7 +18,7 @@ try:
     from json.encoder import encode_basestring
 
     from kog_cli.gateway import openai_api as O
-    from kog_cli.gateway.app import _json, text_event_parts
+    from kog_cli.gateway.app import _json, _tcp_socket, text_event_parts
 except ImportError as e:       # starlette missing
     pytest.skip(f"kog serve's gateway needs {e.name}", allow_module_level=True)
 
@@ -189,3 +189,37 @@ def test_abandoning_a_quiet_request_before_any_reply_cancels_it_by_its_message_i
     cancels = [m for m in seen if m["op"] == "cancel"]
     assert [{k: m.get(k) for k in ("rid", "req_id")} for m in cancels] == [{"rid": None, "req_id": a_id},
                                                                           {"rid": 7, "req_id": None}]
+
+
+def test_the_stream_finds_uvicorns_tcp_socket_to_cork_its_first_event():
+    """The first event is corked with the response's start through the socket under uvicorn's `send`
+    (kog_cli.gateway.app._tcp_socket): a uvicorn that stops holding it there makes this fail, not the cork
+    silently stop."""
+    import socket
+
+    import uvicorn
+    seen = {}
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        sock = _tcp_socket(send)
+        seen["corkable"] = sock is not None and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def go():
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = await r.read()
+        w.close()
+        server.should_exit = True
+        await task
+        return reply
+    reply = _run(go())
+    assert reply.startswith(b"HTTP/1.1 200") and b"\r\nok\r\n" in reply and seen == {"corkable": True}
