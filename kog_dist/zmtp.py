@@ -66,7 +66,6 @@ class Dealer(asyncio.Protocol):
         self._out = []                         # messages sent before the handshake ended
         self._buf = bytearray()
         self._greeted = self._ready = False
-        self._parts: list = []
 
     def open(self, loop, host: str, port: int):
         """Connect in the background; what is sent meanwhile goes out once connected."""
@@ -119,10 +118,7 @@ class Dealer(asyncio.Protocol):
                     self._command(body)
                 elif not self._ready:
                     raise ZmtpError("a message before the peer's READY")
-                elif flags & MORE:
-                    self._parts.append(body)
-                else:
-                    self._parts.clear()
+                elif not flags & MORE:             # a multi-part message is its last frame (an envelope's payload)
                     self.on_message(body)
             del buf[:i]
         except ZmtpError as e:
