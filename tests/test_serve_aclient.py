@@ -223,3 +223,31 @@ def test_the_stream_finds_uvicorns_tcp_socket_to_cork_its_first_event():
         return reply
     reply = _run(go())
     assert reply.startswith(b"HTTP/1.1 200") and b"\r\nok\r\n" in reply and seen == {"corkable": True}
+
+
+def test_a_request_in_flight_fails_at_once_when_the_server_goes(router):
+    """A coordinator gone mid-request (its socket closed: the process died) fails the request with ServerGone
+    within a second, not after the request's timeout; the next request on a fresh server works (the dead
+    connection left the pool)."""
+    from kog_dist.aclient import ServerGone
+    r = router(lambda msg: [(0, {"type": "chunk", "rid": 1, "token_ids": [1], "text": "a"})])
+
+    async def go():
+        c = await AsyncClient(r.endpoint, timeout=30).start()
+        try:
+            req = c.request({"op": "generate", "prompt": "x", "quiet": True})
+            assert (await req.__anext__())["type"] == "chunk"
+            r.stop.set()                                   # the ROUTER closes: the connection drops
+            t0 = time.monotonic()
+            with pytest.raises(ServerGone):
+                await req.__anext__()
+            took = time.monotonic() - t0
+            for _ in range(100):        # the monitor of the main connection may have told first
+                if not c._all:
+                    break
+                await asyncio.sleep(0.01)
+            return took, len(c._idle), len(c._all)
+        finally:
+            await c.close()
+    took, idle, held = _run(go())
+    assert took < 1.0 and idle == 0 and held == 0, (took, idle, held)
