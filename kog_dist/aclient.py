@@ -46,11 +46,11 @@ _NOBLOCK = int(zmq.NOBLOCK)
 class AsyncRequest:
     """The replies of one request, in order; iteration ends after the `result` (an `error` raises)."""
 
-    def __init__(self, client: "AsyncClient", rid: int, conn: "_Conn", owns_conn: bool = True):
+    def __init__(self, client: "AsyncClient", rid: int, conn: "_Conn", owns_conn: bool = True, quiet: bool = False):
         self.client, self.id, self.conn, self.owns_conn = client, rid, conn, owns_conn
         self.queue: collections.deque = collections.deque()
         self.rid = None                      # the server's request number, from its first reply
-        self.quiet = False                   # sent `quiet`: maybe no `accepted`, cancelled by req_id until a reply
+        self.quiet = quiet                   # sent `quiet`: maybe no `accepted`, cancelled by req_id until a reply
         self.done = False
         self._back = None                    # a message ready_chunks() took but did not return
         self._unread = None                  # a message given back by unread(), already taken
@@ -196,7 +196,7 @@ class _Conn:
             s.setsockopt(zmq.IPV6, 1)
         _curve(s, *client._keys)
         s.connect(client.endpoint)
-        self.sock, self.busy, self.client = s, 0, client
+        self.sock, self.client = s, client
         self.fd, self.loop = s.getsockopt(zmq.FD), client._loop
         self.loop.add_reader(self.fd, self.drain)
         self.closed = False
@@ -239,7 +239,7 @@ class _ZmtpConn:
     wake on each message's way); for plain-TCP coordinators (CURVE ones get _Conn)."""
 
     def __init__(self, client: "AsyncClient", host: str, port: int):
-        self.client, self.busy, self.closed = client, 0, False
+        self.client, self.closed = client, False
         self.dealer = zmtp.Dealer(client._route, self._lost, P.MAX_REPLY_BYTES)
         self.dealer.open(client._loop, host, port)
 
@@ -268,15 +268,14 @@ class AsyncClient:
 
     MAX_IDLE = 32
 
-    def __init__(self, endpoint: str, timeout: float = 30.0, *, server_key=None, client_key=None,
-                 zmtp_conns: bool = True):
+    def __init__(self, endpoint: str, timeout: float = 30.0, *, server_key=None, client_key=None):
         host = P.endpoint_host(endpoint)                # ValueError on a malformed endpoint
         self.endpoint, self.timeout = endpoint, float(timeout)
         self._keys = (server_key, client_key)
         # the requests' connections speak ZMTP themselves to a plain TCP coordinator; the main one (health,
         # the server's comings and goings through its monitor, heartbeats) stays on libzmq
         plain = host is not None and ";" not in endpoint and server_key is None and client_key is None
-        self._tcp = (host, int(endpoint.rsplit(":", 1)[1])) if zmtp_conns and plain else None
+        self._tcp = (host, int(endpoint.rsplit(":", 1)[1])) if plain else None
         self._ctx = zmq.Context.instance()
         self._loop = None
         self._main = self._mon = None
@@ -382,8 +381,7 @@ class AsyncClient:
         """Send a request now (on a connection of its own); iterate the AsyncRequest for its replies."""
         conn = _conn or self._take()
         rid = next(self._ids)
-        req = AsyncRequest(self, rid, conn, owns_conn=_conn is None)
-        req.quiet = bool(msg.get("quiet"))
+        req = AsyncRequest(self, rid, conn, owns_conn=_conn is None, quiet=bool(msg.get("quiet")))
         self._pending[rid] = req
         try:
             self._send_on(conn, msg, rid)
