@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shlex
 import shutil
@@ -210,6 +211,25 @@ def listening_ports() -> set[int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, below the kernel's ephemeral range where the OS can find one: a port from that range
+    (what binding port 0 gives) can be taken before the server binds it by any outgoing connection, including
+    the client waiting for that very server, whose reconnects can connect its socket to itself (TCP
+    self-connect) and leave the server "Address already in use"."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low // 2), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -8,7 +8,6 @@ and prints "serving on ENDPOINT" on stdout once bound.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from kog_dist.coordinator import Coordinator  # noqa: E402
+from launch.cli import free_port  # noqa: E402,F401  (the tests' one way to pick a port)
 
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_lanes=4, num_attention_heads=4, num_key_value_heads=4,
              intermediate_size=128, vocab_size=300, broadcast_delay=1, max_position_embeddings=1024,
@@ -131,12 +131,6 @@ class Server:
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred, timeout=10.0, step=0.02):

@@ -6,6 +6,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -296,3 +297,14 @@ def test_np_defaults_to_the_allocation_inside_slurm(tmp_path):
     assert shlex.split(p.stdout)[:4] == [f"{d}/srun", "--mpi=pmi2", "-n", "4"]
     p = kog_launch(["--dry-run", "--"] + WORKER, clean_env(d))
     assert p.returncode == 2 and "--np N is required" in p.stderr
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    """A port an outgoing connection cannot take before the server binds it (nor a client waiting for the
+    server connect its socket to itself there): below the kernel's ephemeral range, and free."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {cli.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1, (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
