@@ -322,3 +322,18 @@ def test_speculative_builds_fit_and_the_state_words_agree(tmp_path):
     assert host.SPEC_PROBE == dflt["probe_every"]         # the device's draft sizes: the cpu backend's rule
     assert (f"SPEC_PROBE = {dflt['probe_every']}, SPEC_MAX_PROBE = {dflt['max_probe_every']}, "
             f"SPEC_NGRAM = {MAX_NGRAM}") in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("dt", ["Q4_K_M", "Q5_K_M"])
+def test_kquant_builds_compile(dt, tmp_path):
+    """The K-quant builds (CFG_QW 4: one row loop a type the mix holds, kquant.cuh) compile warning-free with
+    the shape's full defines, the monokernel and the prefill's dequantizer alike."""
+    from kog_dist.shapes import shape_config
+    from workers.cuda.build import defines
+    d = defines(shape_config("llama3.2-1b"), dt, 132)
+    for src in ("monokernel.cu", "prefill.cu"):
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", os.path.join(CUDA_DIR, src),
+                            "-o", str(tmp_path / "k.cubin")] + [f"-D{k}={v}" for k, v in d.items()],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-3000:]

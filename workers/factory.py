@@ -63,7 +63,10 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
 
 
 # --dtype names -> the backends' storage types (kog generate, kog-worker, kog serve, kog bench)
-STORE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+STORE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
+               # the K-quants (cuda only: random weights of `kog bench --shape`, or a K-quant GGUF as it is stored)
+               "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
+K_STORES = ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M")
 
 
 def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=None,
@@ -85,6 +88,9 @@ def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=
         b = CudaBackend(src, lanes=lanes, max_seq=max_seq, num_slots=num_slots, comm=comm,
                         progress=progress, dtype=store, speculative=speculative)
         return b, b.cfg
+    if store in K_STORES:
+        raise ValueError(f"--dtype {dtype}: the cpu backend stores bf16, fp16, fp32, q8_0, q4_0 or q4_1 (a K-quant "
+                         "GGUF runs as it is stored: leave --dtype out)")
     check_context_fits(src.cfg, max_seq)   # a context whose KV cache cannot fit is refused before loading
     m = Model(src, lanes, progress, store=store)
     b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree, prefill_chunk)

@@ -138,6 +138,14 @@ class GGUFSource(ModelSource):
         return None if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                          GGMLQuantizationType.BF16) else t.tensor_type.name
 
+    def blocks(self, name: str) -> tuple[np.ndarray, str]:
+        """A quantized tensor's bytes as the file stores them ([rows, bytes a row], a view of the map) and its
+        GGML type's name: what a backend that keeps the blocks (the cuda backend's K-quants) reads."""
+        t = self._t[name]
+        data = np.asarray(t.data)
+        self.nbytes_read += data.nbytes
+        return data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1), t.tensor_type.name
+
     def raw(self, name: str, lanes: range | None = None, rows: np.ndarray | None = None):
         t = self._t[name]
         lane = is_lane_first(name)

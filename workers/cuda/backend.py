@@ -104,7 +104,9 @@ class CudaBackend(Backend):
         self.dw = weights
         self.nblocks = int(self.k.defines["CFG_NB"])
         from .build import spec_positions
-        self.spec_max = spec_positions(self.cfg, dtype, self.nblocks, self.nranks, self.k.nthreads)
+        # the K-quants have no verify pass (mk_kquant.cuh): their requests decode a token at a time
+        self.spec_max = 0 if getattr(weights, "kq", False) else spec_positions(self.cfg, dtype, self.nblocks,
+                                                                               self.nranks, self.k.nthreads)
         if self.k.params_bytes > N_PARAMS * 8:
             raise RuntimeError("Params struct larger than the host buffer")
         if self.nranks > 1 and 8 * self.k.fin_words > 4 * comm.max_floats:
@@ -350,6 +352,7 @@ class CudaBackend(Backend):
         for name, a in (("w", self.dw.w), ("norms", self.dw.norms), ("fnorm", self.dw.fnorm), ("emb", self.dw.emb),
                         ("lm", self.dw.lm), ("kc", kc), ("vc", vc), ("ctr", self.ctr), ("sortbuf", self.sortbuf),
                         ("dbg_logits", dbg), ("rope", self.rope), ("ws", self.dw.ws), ("bias", self.dw.bias),
+                        ("wh", getattr(self.dw, "wh", None)), ("kt", getattr(self.dw, "kt", None)),
                         *((n, b[n]) for n in ("q", "attp", "hid", "part", "hres", "logits", "cand_v", "cand_i"))):
             p[name] = ptr(a)
         p["ring"], p["status"], p["cancel"] = self.ring.ptr, self.status.ptr, self.cancel.ptr

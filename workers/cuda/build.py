@@ -37,10 +37,12 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
         d = defines(cfg, dtype, nblocks, prefetch, None, marks=marks)
         d.update(mr_defines(cfg, nranks), CFG_SKEW_NS=skew_ns(cfg, dtype, nranks), CFG_UB_QKV=qkv_loads(nranks))
         return {**d, **(extra or {})}
-    from .weights import QTYPES, split_dtype
+    from . import kquant
+    from .weights import qw_code, split_dtype
     qtype, base = split_dtype(dtype)
+    kmask = {"CFG_KT_MASK": kquant.type_mask(qtype)} if qw_code(qtype) == 4 else {}
     return {
-        "CFG_WT": WT_CODE[base], "CFG_QW": QTYPES[qtype] if qtype else 0,
+        "CFG_WT": WT_CODE[base], "CFG_QW": qw_code(qtype), **kmask,
         "CFG_BIAS": int(bool(getattr(cfg, "attention_bias", False))), "CFG_D": cfg.hidden_size, "CFG_NL": cfg.num_hidden_layers,
         "CFG_H": cfg.num_attention_heads, "CFG_KV": cfg.kv_heads, "CFG_HD": cfg.head_dim,
         "CFG_F": cfg.intermediate_size, "CFG_V": cfg.vocab_size, "CFG_L": cfg.num_lanes,
@@ -75,12 +77,14 @@ def one_lane_units(cfg, qtype, base: str, nblocks: int, spec: bool = False) -> d
     512, 0.5 KB at 384; 1384 against 1200 tokens/s).
     The runs of each choice: BENCHMARKS.md "Results of 2026-12-02", "Quantized one-lane builds", "2026-12-03",
     "2026-12-04"."""
+    from . import kquant
     from .weights import layer_elems, matrix_bytes
     if cfg.num_lanes != 1:
         return {}
     out = {"CFG_NR_WO": 1 if cfg.hidden_size <= 1024 else 2, "CFG_NR_W2": 1}
     if matrix_bytes(layer_elems(cfg), qtype or base) / nblocks <= 128 * 1024:
-        out["CFG_PFS"] = 65536
+        # (the K-quants have no shared-memory copy: their rows read three arrays, mk_kquant.cuh)
+        out["CFG_PFS"] = 0 if qtype and kquant.parse(qtype) else 65536
         if qtype or spec:
             out["CFG_NT"] = 384
     if cfg.num_attention_heads // cfg.kv_heads > 4:
@@ -248,7 +252,7 @@ class Kernels:
         self.mono.max_dynamic_shared_size_bytes = self.smem_bytes
         self.fn = {n: module.get_function(n) for n in
                    ("pf_embed", "pf_norm", "pf_rope", "pf_attn", "pf_combine", "pf_silu", "f32_to_w", "w_to_f32",
-                    "q_to_w", "q_to_f32", "f32_to_q")}
+                    "q_to_w", "q_to_f32", "f32_to_q", "kq_to_w", "kq_to_f32")}
         if self.nranks > 1:
             self.fn["pf_combine_mr"] = module.get_function("pf_combine_mr")
 

@@ -8,7 +8,7 @@
 #define CFG_WT 1            // storage type of weights and KV cache: 0 fp32, 1 bf16, 2 fp16
 #endif
 #ifndef CFG_QW
-#define CFG_QW 0            // layer matrices: 0 in the storage type, 1 Q8_0, 2 Q4_0, 3 Q4_1 (GGUF blocks, below)
+#define CFG_QW 0            // layer matrices: 0 in the storage type, 1 Q8_0, 2 Q4_0, 3 Q4_1 (GGUF blocks, below), 4 the K-quants (kquant.cuh)
 #endif
 #ifndef CFG_BIAS
 #define CFG_BIAS 0          // q/k/v biases (Qwen2): fp32 [NL][L][RQKV], added before RoPE

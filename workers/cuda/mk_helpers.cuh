@@ -300,17 +300,21 @@ __device__ __forceinline__ void warp_dotq(const unsigned char* __restrict__ qb, 
 #pragma unroll
   for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
 }
+#include "mk_kquant.cuh"
 // a layer matrix's rows (element e of p.w's index), in whichever storage the build has
 template <int NR, int K, int UBM = CFG_UBMAX>
 __device__ __forceinline__ void wdot(const Params& p, long long e, int nvalid, const float* xs, float* out) {
   // quantized: at most QUB loads in flight a lane (each 16-32 weights)
-  if constexpr (QW != 0) warp_dotq<NR, K, (UBM < QUB ? UBM : QUB)>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
+  if constexpr (QW == 4) wdot_k<NR, K, (UBM < QUB ? UBM : QUB)>(p, e, nvalid, xs, out);
+  else if constexpr (QW != 0) warp_dotq<NR, K, (UBM < QUB ? UBM : QUB)>(reinterpret_cast<const unsigned char*>(p.w), p.ws, e, nvalid, xs, out);
   else warp_dot<NR, K, false, UBM>(p.w + e, nvalid, xs, out);
 }
 // bytes of n elements of the layer matrices, and the L2 prefetch of elements [e, e + n) (quants and scales)
 __device__ __forceinline__ long long wbytes(long long n) { return QW ? n * QBITS / 8 : n * (long long)sizeof(wt); }
 __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long long n, long long limit) {
-  if (QW) {
+  if (QW == 4) {
+    prefetch_k(p, e, n, limit);
+  } else if (QW) {
     prefetch_l2(reinterpret_cast<const unsigned char*>(p.w) + e * QBITS / 8, wbytes(n), limit);
     // the bulk prefetch wants a 16-byte aligned start: from the line's 16 bytes that hold block e / 32
     const long long s0 = e / 32 * QSB, a0 = s0 & ~15ll;
@@ -325,6 +329,7 @@ __device__ __forceinline__ void prefetch_w(const Params& p, long long e, long lo
 // multiples), then their scales from the 16-byte piece that holds the first one (cp.async copies aligned
 // 16-byte pieces; the scale array has 16 bytes of tail for the last piece). Returns how many there will be.
 __device__ __forceinline__ int wbuf_fill_w(const Params& p, float* sm, long long e0, int nunits, int ue, bool issue) {
+  static_assert(QW != 4 || PFS == 0, "the K-quants have no shared-memory copy (build.one_lane_units)");
   if constexpr (QW == 0) {
     return wbuf_fill(sm, p.w + e0, nunits, ue, issue);
   } else {

@@ -167,10 +167,12 @@ struct Params {   // every field 8 bytes; the one list: params.py reads it and t
   long long spec_k;              // 63 draft tokens a pass at most (CFG_SPEC)
   long long spec_min_ngram;      // 64 the shortest context match that drafts (CFG_SPEC)
   long long spec_fixed;          // 65 > 0: every pass drafts this many tokens, the context's last; < 0: none (benchmarks)
+  const void* wh;                // 66 the K-quants' high bits (CFG_QW 4; kquant.cuh), or null
+  const u32* kt;                 // 67 the K-quants' types, a word a layer (CFG_QW 4), or null
 #if KOG_NRANKS > 1
-  const KcclDev* kd;             // 66 CudaCommunicator.dev_ptr
-  long long e0[3];               // 67..69 first epoch of this launch on channels attn, mlp, final
-  float* yfin;                   // 70 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
+  const KcclDev* kd;             // 68 CudaCommunicator.dev_ptr
+  long long e0[3];               // 69..71 first epoch of this launch on channels attn, mlp, final
+  float* yfin;                   // 72 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
 #endif
 };
 // CFG_PCONST 1: the kernel takes Params by value (__grid_constant__: the words are constant-bank operands

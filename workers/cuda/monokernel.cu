@@ -30,6 +30,7 @@
 //   mk_spec_lm.cuh    CFG_SPEC > 0: its LM head, acceptance, drafting on the device, the pass loop (spec_loop)
 //   this file         the kernel (monokernel: the token loop) and monokernel_info
 #include "common.cuh"
+#include "kquant.cuh"
 #define NEG_INF __int_as_float(0xff800000)
 
 using namespace cfg;
@@ -49,6 +50,7 @@ using namespace cfg;
 #define CFG_SPEC 0          // > 0: the speculative verify passes of up to CFG_SPEC positions (mk_spec.cuh)
 #endif
 #if CFG_SPEC
+static_assert(QW != 4, "the K-quants have no verify pass (the host decodes them without speculation)");
 #include "mk_spec.cuh"
 #include "mk_spec_lm.cuh"
 #endif

@@ -2,6 +2,7 @@
 // projections as cuBLAS strided-batched GEMMs over lanes, in the storage type, accumulating in fp32).
 // Activations: X [L][T][D] fp32 residuals; GEMM inputs in the storage type.
 #include "common.cuh"
+#include "kquant.cuh"
 
 using namespace cfg;
 
@@ -230,6 +231,25 @@ extern "C" __global__ void q_to_f32(const unsigned char* __restrict__ qb, const 
                                     long long nb, float* out) {
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nb; x += (long long)gridDim.x * blockDim.x)
     deq_block<float>(qb, sb, b0 + x, out + x * 32);
+}
+// K-quant chunks [c0, c0 + nc) of type t (kquant.cuh's layout; chunk c is elements 32c..) as the storage type
+// or fp32, value for value gguf.quants' dequantization (kq_value)
+template <typename T>
+__device__ __forceinline__ void kq_chunks(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec,
+                                          int t, long long c0, long long nc, T* out) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nc * 32; x += (long long)gridDim.x * blockDim.x) {
+    const float v = kq_value(nib, hb, rec, t, c0 + x / 32, (int)(x % 32));
+    if constexpr (sizeof(T) == 4) out[x] = v;
+    else out[x] = f2w(v);
+  }
+}
+extern "C" __global__ void kq_to_w(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec, int t,
+                                   long long c0, long long nc, wt* out) {
+  kq_chunks<wt>(nib, hb, rec, t, c0, nc, out);
+}
+extern "C" __global__ void kq_to_f32(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec, int t,
+                                     long long c0, long long nc, float* out) {
+  kq_chunks<float>(nib, hb, rec, t, c0, nc, out);
 }
 __device__ __forceinline__ float roundf_away(float n) {   // gguf.quants.np_roundf: half away from zero
   const float a = fabsf(n), fl = floorf(a);

@@ -18,6 +18,8 @@ import numpy as np
 
 from kog_dist.checkpoint import check_finite, check_finite_bits
 
+from . import kquant
+
 STORAGE_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 QTYPES = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}          # CFG_QW of each quantized storage of the layer matrices
 QBITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
@@ -31,14 +33,23 @@ def split_dtype(dtype: str) -> tuple[str | None, str]:
     "BF16" / "F16" / "F32": everything in that type; "Q8_0" / "Q4_0" / "Q4_1": the layer matrices in GGUF
     blocks, embedding, LM head and KV cache in BF16; "Q4_0:F32": the same with the rest in F32 (exact tests)."""
     q, _, base = str(dtype).upper().partition(":")
-    if q in QTYPES:
+    if q in QTYPES or kquant.parse(q):
         base = base or "BF16"
         if base not in STORAGE_NP:
             raise ValueError(f"unknown storage type {dtype!r}")
         return q, base
     if q in STORAGE_NP and not base:
         return None, q
-    raise ValueError(f"unknown storage type {dtype!r} (known: BF16, F16, F32, Q8_0, Q4_0, Q4_1, e.g. Q4_0:F32)")
+    raise ValueError(f"unknown storage type {dtype!r} (known: BF16, F16, F32, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, "
+                     "Q4_K_M, Q5_K_M, e.g. Q4_0:F32)")
+
+
+def qw_code(qtype: str | None) -> int:
+    """CFG_QW of a quantized storage of the layer matrices (common.cuh): 0 none, 1-3 Q8_0 / Q4_0 / Q4_1, 4 the
+    K-quants (kquant.cuh)."""
+    if not qtype:
+        return 0
+    return QTYPES.get(qtype) or 4
 
 
 def layer_elems(cfg) -> int:
@@ -51,18 +62,33 @@ def layer_elems(cfg) -> int:
 def matrix_bytes(n: int, dtype: str) -> int:
     """Bytes of n elements of the layer matrices in storage `dtype` (quants and scales when quantized)."""
     q, base = split_dtype(dtype)
+    if q and kquant.parse(q):   # the K-quants: the first (lowest) type's
+        return int(n * kquant.bytes_per_weight(kquant.parse(q)[0]))
     if q:
         return n * QBITS[q] // 8 + n // 32 * QSCALE_BYTES[q]
     return n * STORAGE_NP[base]().itemsize
 
 
-def streamed_bytes(cfg, dtype: str) -> int:
+def field_elems(cfg) -> dict[str, int]:
+    """Elements of each matrix field of a layer (kquant.MATRIX_FIELDS), all lanes."""
+    D, hd = cfg.hidden_size, cfg.head_dim
+    H, KV, F = cfg.heads_per_lane * cfg.num_lanes, cfg.kv_heads_per_lane * cfg.num_lanes, cfg.ffn_per_lane * cfg.num_lanes
+    return {"attention.wq": H * hd * D, "attention.wk": KV * hd * D, "attention.wv": KV * hd * D,
+            "attention.wo": D * H * hd, "feed_forward.w13": 2 * F * D, "feed_forward.w2": D * F}
+
+
+def streamed_bytes(cfg, dtype: str, ktypes: list | None = None) -> int:
     """Weight bytes read per decoded token: every layer and the LM head (not the embedding table). A rank's
-    view (multirank.RankView): its lanes and its share of the LM head rows."""
-    _, base = split_dtype(dtype)
+    view (multirank.RankView): its lanes and its share of the LM head rows. K-quants: each matrix in its type
+    (`ktypes`, a dict a layer as DeviceWeights.ktypes; by default the storage name's mix)."""
+    q, base = split_dtype(dtype)
     isz = STORAGE_NP[base]().itemsize
-    return (matrix_bytes(layer_elems(cfg), dtype) * cfg.num_hidden_layers
-            + getattr(cfg, "lm_rows", cfg.vocab_size) * cfg.hidden_size * isz)
+    lm = getattr(cfg, "lm_rows", cfg.vocab_size) * cfg.hidden_size * isz
+    if q and kquant.parse(q):
+        N, fe = cfg.num_hidden_layers, field_elems(cfg)
+        ktypes = ktypes or [kquant.layer_types(q, i, N) for i in range(N)]
+        return int(sum(fe[f] * kquant.bytes_per_weight(t[f]) for t in ktypes for f in fe)) + lm
+    return matrix_bytes(layer_elems(cfg), dtype) * cfg.num_hidden_layers + lm
 
 
 def _to_storage(arr: np.ndarray, dt: str, target: str) -> np.ndarray:
@@ -83,7 +109,17 @@ class DeviceWeights:
         D, L, N, V = cfg.hidden_size, cfg.num_lanes, cfg.num_hidden_layers, cfg.vocab_size
         st = STORAGE_NP[self.base]
         self.layer_elems = layer_elems(cfg)
-        if self.qtype:
+        self.kq = bool(self.qtype and kquant.parse(self.qtype))
+        self.wh = self.kt = None
+        if self.kq:   # kquant.cuh's arrays: nibbles, high bits (Q5_K / Q6_K), a record a super-block, types
+            n = N * self.layer_elems
+            self.w = cp.zeros(n // 2, dtype=cp.uint8)
+            if kquant.parse(self.qtype) != ("Q4_K",):
+                self.wh = cp.zeros(n // 4, dtype=cp.uint8)
+            self.ws = cp.zeros(-(-n // 256) * kquant.REC + 16, dtype=cp.uint8)
+            self.kt = cp.zeros(N, dtype=cp.uint32)
+            self.ktypes: list = [None] * N
+        elif self.qtype:
             n = N * self.layer_elems
             self.w = cp.empty(n * QBITS[self.qtype] // 8, dtype=cp.uint8)
             # + 16 bytes: a block's shared-memory copy of its scales (wbuf_fill_w) reads whole 16-byte pieces
@@ -126,6 +162,39 @@ class DeviceWeights:
             off += n
         return out
 
+    def field_ranges(self):
+        """(field, lane, first element inside a layer, elements) of every matrix field (kquant.MATRIX_FIELDS) of
+        each lane: the regions' layout (module docstring)."""
+        cfg = self.cfg
+        L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
+        hdl, kvdl, fl = cfg.heads_per_lane * hd, cfg.kv_heads_per_lane * hd, cfg.ffn_per_lane
+        rqkv = hdl + 2 * kvdl
+        off = {n: self.region_offset(n) for n in ("wo", "w13", "w2")}
+        out = []
+        for l in range(L):
+            q0 = l * rqkv * D
+            out += [("attention.wq", l, q0, hdl * D), ("attention.wk", l, q0 + hdl * D, kvdl * D),
+                    ("attention.wv", l, q0 + (hdl + kvdl) * D, kvdl * D),
+                    ("attention.wo", l, off["wo"] + l * D * hdl, D * hdl),
+                    ("feed_forward.w13", l, off["w13"] + l * fl * 2 * D, fl * 2 * D),
+                    ("feed_forward.w2", l, off["w2"] + l * D * fl, D * fl)]
+        return out
+
+    def set_ktypes(self, i: int, types: dict[str, str]) -> None:
+        self.ktypes[i] = dict(types)
+        self.kt[i] = kquant.type_word(types)
+
+    def put_k(self, i: int, e0: int, nib, hi, rec) -> None:
+        """Write K-quant arrays (kquant.relayout's, on the device) at element e0 of layer i (a multiple of 256)."""
+        e = i * self.layer_elems + e0
+        if e % 256:
+            raise ValueError("K-quant matrices must start on a super-block (256 elements)")
+        self.w[e // 2:e // 2 + nib.size] = nib
+        if hi is not None:
+            self.wh[e // 4:e // 4 + hi.size] = hi
+        r0 = e // 256 * kquant.REC
+        self.ws[r0:r0 + rec.size] = rec
+
     def layer(self, i: int, kernels):
         """Layer i's regions in the storage type: views of the weights, or (quantized matrices) their exact
         dequantization into a scratch buffer of one layer (the prefill's GEMM operands)."""
@@ -134,6 +203,14 @@ class DeviceWeights:
         import cupy as cp
         if self._scratch is None:
             self._scratch = cp.empty(self.layer_elems, dtype=STORAGE_NP[self.base])
+        if self.kq:
+            for field, _, e0, n in self.field_ranges():
+                c0 = (i * self.layer_elems + e0) // 32
+                kernels.fn["kq_to_w"]((max(1, min(4096, (n + 255) // 256)),), (256,),
+                                      (self.w, self.w if self.wh is None else self.wh, self.ws,
+                                       np.int32(kquant.KTYPES[self.ktypes[i][field]]), np.int64(c0),
+                                       np.int64(n // 32), self._scratch[e0:e0 + n]))
+            return self.regions(i, self._scratch)
         nb = self.layer_elems // 32
         kernels.fn["q_to_w"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
                              (self.w, self.ws, np.int64(i * nb), np.int64(nb), self._scratch))
@@ -143,6 +220,8 @@ class DeviceWeights:
         """Write float32 device `values` into region `name` of layer i (one lane's slice, or all lanes):
         converted to the storage type, or quantized (gguf.quants' rounding, prefill.cu f32_to_q)."""
         import cupy as cp
+        if self.kq:
+            raise ValueError("K-quant matrices are written from blocks (put_k), not quantized from floats")
         shape = dict(self.region_shapes())[name]
         per_lane = int(np.prod(shape[1:]))
         e0 = i * self.layer_elems + self.region_offset(name) + (lane or 0) * per_lane
@@ -162,6 +241,7 @@ class DeviceWeights:
     def nbytes(self) -> int:
         n = self.w.nbytes + self.norms.nbytes + self.fnorm.nbytes + self.emb.nbytes
         n += 0 if self.ws is None else self.ws.nbytes
+        n += 0 if self.wh is None else self.wh.nbytes
         n += 0 if self.bias is None else self.bias.nbytes
         return n + (0 if self.lm is self.emb else self.lm.nbytes)
 
@@ -191,12 +271,59 @@ def default_dtype(src) -> str:
     kinds = {qt(n) for n in names}
     if len(kinds) == 1 and next(iter(kinds)) in QTYPES:
         return next(iter(kinds))
+    why = kquant_reason(src) if kinds <= set(kquant.KTYPES) else None
+    if kinds <= set(kquant.KTYPES) and why is None:
+        return "+".join(t for t in kquant.KTYPES if t in kinds)
+    if why:
+        print(f"[kog] cuda backend: K-quant layer matrices dequantized to BF16 at load ({why})",
+              file=sys.stderr, flush=True)
+        return "BF16"
     if kinds != {None}:
         other = sorted(k for k in kinds if k is not None)
         print(f"[kog] cuda backend: layer matrices of types {', '.join(other)} are dequantized to BF16 at load",
               file=sys.stderr, flush=True)
         return "BF16"
     return src.dtype("model.layers.0.attention.wq.weight")
+
+
+def kquant_reason(src) -> str | None:
+    """Why a source's K-quant layer matrices cannot run as stored (None: they can): rows of whole super-blocks,
+    gate and up of one type, one rank."""
+    cfg = src.cfg
+    dims = {"hidden_size": cfg.hidden_size, "heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size}
+    for name, v in dims.items():
+        if v % 256:
+            return f"{name}={v} is not a multiple of 256"
+    if not hasattr(src, "blocks"):
+        return "the source serves no raw blocks"
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.feed_forward."
+        if src.quant_type(p + "w1.weight") != src.quant_type(p + "w3.weight"):
+            return f"layer {i}'s gate and up are of different types"
+    return None
+
+
+def _load_kquant(dw, src, i: int) -> None:
+    """Layer i's matrices from the file's super-blocks, re-laid on the device (kquant.relayout); W13's gate
+    and up rows interleaved as the layout wants."""
+    import cupy as cp
+    p = f"model.layers.{i}."
+    types, ranges = {}, {f: e0 for f, _, e0, _ in dw.field_ranges()}
+
+    def blocks(name):
+        b, t = src.blocks(p + name + ".weight")
+        return kquant.relayout(cp.asarray(b), t, xp=cp), t, b.shape[0]
+
+    for field in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w2"):
+        arrs, types[field], _ = blocks(field)
+        dw.put_k(i, ranges[field], *arrs)
+    (n1, h1, r1), t, rows = blocks("feed_forward.w1")
+    (n3, h3, r3), _, _ = blocks("feed_forward.w3")
+    types["feed_forward.w13"] = t
+    pair = lambda a, b: None if a is None else cp.stack([a.reshape(rows, -1), b.reshape(rows, -1)], axis=1).reshape(-1)
+    dw.put_k(i, ranges["feed_forward.w13"], pair(n1, n3), pair(h1, h3), pair(r1, r3))
+    dw.set_ktypes(i, types)
 
 
 def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, view=None,
@@ -213,6 +340,10 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     cfg = src.cfg
     dtype = dtype or default_dtype(src)
     dw = DeviceWeights(view if view is not None else cfg, dtype)
+    if dw.kq and view is not None:
+        raise ValueError("K-quant layer matrices run on one rank in this version (pass --dtype bf16 to split them)")
+    if dw.kq and kquant_reason(src):
+        raise ValueError(f"{dtype} storage of this checkpoint: {kquant_reason(src)}")
     if dw.qtype and kernels is None:
         raise ValueError("quantized storage is written by the kernels of its build: pass kernels=")
     N, L, D = cfg.num_hidden_layers, dw.cfg.num_lanes, cfg.hidden_size
@@ -248,11 +379,15 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     with Progress("uploading weights", total, unit=" parts", enabled=progress) as bar:
         for i in range(N):
             p = f"model.layers.{i}."
-            put(i, "qkv", np.concatenate([mat(p + "attention.wq.weight"), mat(p + "attention.wk.weight"),
-                                          mat(p + "attention.wv.weight")], axis=1))
-            put(i, "wo", mat(p + "attention.wo.weight"))
-            put(i, "w13", np.stack([mat(p + "feed_forward.w1.weight"), mat(p + "feed_forward.w3.weight")], axis=2))
-            put(i, "w2", mat(p + "feed_forward.w2.weight"))
+            if dw.kq:
+                _load_kquant(dw, src, i)
+            else:
+                put(i, "qkv", np.concatenate([mat(p + "attention.wq.weight"), mat(p + "attention.wk.weight"),
+                                              mat(p + "attention.wv.weight")], axis=1))
+                put(i, "wo", mat(p + "attention.wo.weight"))
+                put(i, "w13", np.stack([mat(p + "feed_forward.w1.weight"), mat(p + "feed_forward.w3.weight")],
+                                       axis=2))
+                put(i, "w2", mat(p + "feed_forward.w2.weight"))
             if dw.bias is not None:
                 b = [tensor(p + f"attention.b{x}.bias", True) for x in "qkv"]
                 dw.bias[i] = cp.asarray(np.concatenate(b, axis=1))
@@ -303,7 +438,19 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
     D, N = cfg.hidden_size, cfg.num_hidden_layers
     fans = {"qkv": D, "wo": cfg.heads_per_lane * cfg.head_dim, "w13": D, "w2": cfg.ffn_per_lane}
     shapes = dict(dw.region_shapes())
-    for i in range(N):
+    if dw.kq:   # random super-blocks of each matrix's type (kquant.random_blocks), re-laid on the device
+        kfan = {"attention.wo": fans["wo"], "feed_forward.w2": fans["w2"]}
+        for i in range(N):
+            types = kquant.layer_types(dw.qtype, i, N)
+            for m, (field, lane, e0, n) in enumerate(dw.field_ranges()):
+                if n % 256 or e0 % 256:
+                    raise ValueError(f"{dw.qtype} random weights need matrices of whole super-blocks ({field}: {n})")
+                blocks = kquant.random_blocks(n // 256, types[field], float(1 / np.sqrt(kfan.get(field, D))),
+                                              xp=cp, seed=(seed * 1000003 + i * 64 + m) % (1 << 62))
+                dw.put_k(i, e0, *kquant.relayout(blocks, types[field], xp=cp))
+                del blocks
+            dw.set_ktypes(i, types)
+    for i in range(N if not dw.kq else 0):
         for m, (name, fan) in enumerate(fans.items()):
             per_lane = int(np.prod(shapes[name][1:]))
             for j, g in enumerate(lanes):
@@ -313,6 +460,7 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
                                     for a in range(0, per_lane, step)]) * cp.float32(1.0 / np.sqrt(fan))
                 dw.put(i, name, j, x, kernels)
                 del x
+    for i in range(N):
         if dw.bias is not None:   # Qwen2-like biases: 0.1 N(0, 1), one generator a layer and lane
             for j, g in enumerate(lanes):
                 dw.bias[i, j] = 0.1 * rng_of(6, i, g).standard_normal(dw.bias.shape[-1], dtype=cp.float32)
