@@ -73,7 +73,8 @@ def measure(backend, args, log=_say) -> dict:
     V = cfg.vocab_size
     rng = np.random.default_rng(args.seed)
     greedy = SamplingParams()
-    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype), "timing_marks": bool(args.profile),
+    ktypes = getattr(backend.dw, "ktypes", None)   # the K-quants: each matrix's own type
+    out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype, ktypes), "timing_marks": bool(args.profile),
            "dtype": backend.dw.dtype}
 
     def run(prompt, gen):
@@ -120,7 +121,7 @@ def measure(backend, args, log=_say) -> dict:
         out["phases"] = bds
         from workers.cuda.weights import matrix_bytes
         sb = streamed_by_kind(cfg, matrix_bytes(1 << 20, backend.dw.dtype) / (1 << 20))
-        sb["lm"] = streamed_bytes(cfg, backend.dw.dtype) - sum(v for k, v in sb.items() if k != "lm")
+        sb["lm"] = streamed_bytes(cfg, backend.dw.dtype, ktypes) - sum(v for k, v in sb.items() if k != "lm")
         for k, bd in zip((8, 200, 400), bds):
             log(f"phase breakdown of decode step {k} (context {args.prompt + k}):\n" + format_breakdown(bd, sb))
     if args.ctx and args.ctx <= backend.max_seq:

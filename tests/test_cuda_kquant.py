@@ -50,16 +50,31 @@ def write_kquant_gguf(path: str, mix: str, seed: int = 0) -> str:
     return path
 
 
+def _cfg():
+    from kog_dist.config import LaneformerConfig
+    return LaneformerConfig.from_dict(dict(model_type="laneformer_tp", num_lanes=1, broadcast_delay=1,
+                                           tie_word_embeddings=True, **CFG))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild():
+    from workers.cuda.build import prebuild
+    from workers.cuda.backend import CudaBackend  # noqa: F401 - import errors before the builds
+    import dataclasses
+    untied = dataclasses.replace(_cfg(), tie_word_embeddings=False)
+    prebuild([(_cfg(), d) for d in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M")]
+             + [(untied, d) for d in ("Q4_K+Q6_K:F32", "Q5_K+Q6_K:F32")])
+
+
 @pytest.mark.parametrize("t", ["Q4_K", "Q5_K", "Q6_K"])
 def test_device_relayout_and_dequantizer_are_gguf_bit_for_bit(t):
-    from kog_dist.shapes import shape_config
     from workers.cuda.build import build
     b = kquant.random_blocks(64, t, 0.02, seed=3)
     nib, hi, rec = kquant.relayout(b, t)
     dn, dh, dr = kquant.relayout(cp.asarray(b), t, xp=cp)
     assert np.array_equal(cp.asnumpy(dn), nib) and np.array_equal(cp.asnumpy(dr), rec)
     assert hi is None or np.array_equal(cp.asnumpy(dh), hi)
-    k = build(shape_config("llama3.2-1b"), t, 132, progress=False)
+    k = build(_cfg(), t, progress=False)
     out = cp.empty(64 * 256, cp.float32)
     k.fn["kq_to_f32"]((64,), (256,), (dn, dn if dh is None else dh, dr, np.int32(kquant.KTYPES[t]), np.int64(0),
                                       np.int64(64 * 8), out))
@@ -110,12 +125,10 @@ def test_random_kquant_weights_decode(tmp_path):
     """`kog bench --shape ... --dtype q4_k_m`'s weights: random super-blocks re-laid on the device decode, the
     same ids twice, and a different mix gives different ids."""
     from kog_dist.backend import RunCommand
-    from kog_dist.config import LaneformerConfig
     from workers.cuda.backend import CudaBackend
     from workers.cuda.build import build
     from workers.cuda.weights import random_weights
-    cfg = LaneformerConfig.from_dict(dict(model_type="laneformer_tp", num_lanes=1, broadcast_delay=1,
-                                          tie_word_embeddings=True, **CFG))
+    cfg = _cfg()
     ids = {}
     for dt in ("Q4_K_M", "Q6_K", "Q4_K_M"):
         k = build(cfg, dt, progress=False)

@@ -311,10 +311,11 @@ build(cfg, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), progress=False, spec
 """
 
 
-def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress: bool = True) -> None:
+def prebuild(items, nblocks: int | None = None, prefetch: int | None = None, progress: bool = True) -> None:
     """Compile several (cfg, dtype), (cfg, dtype, spec) or (cfg, dtype, spec, extra defines) variants at once,
     one process each, to fill CuPy's disk cache; later build() calls then only load the cached binaries.
-    Failures surface at the later build()."""
+    prefetch None: each build's default (prefetch_bytes: 32 KB for one lane since c508057; a fixed 65536
+    compiled one-lane variants no later build() asked for). Failures surface at the later build()."""
     import subprocess
     import json
     import cupy as cp
@@ -324,7 +325,9 @@ def prebuild(items, nblocks: int | None = None, prefetch: int = 65536, progress:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(it[0].to_dict()), it[1],
-                               str(nblocks or default_blocks(it[0], sms)), str(prefetch), str(it[2] if len(it) > 2 else 0),
+                               str(nblocks or default_blocks(it[0], sms)),
+                               str(prefetch if prefetch is not None else prefetch_bytes(1, it[0].num_lanes)),
+                               str(it[2] if len(it) > 2 else 0),
                                json.dumps(it[3] if len(it) > 3 else {})],
                               env=env)
              for it in items]
