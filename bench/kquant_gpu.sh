@@ -29,6 +29,11 @@ PY
           tail -4 "$OUT/bench_8b.log" | tee -a "$OUT/summary.txt" ;;
 1b)       timeout 240 $BENCH --shape llama3.2-1b --dtype "$DT1" > "$OUT/bench_1b.json" 2> "$OUT/bench_1b.log"
           tail -4 "$OUT/bench_1b.log" | tee -a "$OUT/summary.txt" ;;
+ab)       for q in ${QUBS:-12 16}; do   # loads in flight a lane in the quantized row loops (CFG_QUB; default 8)
+            timeout 150 $BENCH --shape llama3.1-8b --dtype "${DTAB:-q4_k_m}" --define CFG_QUB=$q \
+              > "$OUT/bench_ab_qub$q.json" 2> "$OUT/bench_ab_qub$q.log"
+            echo "CFG_QUB=$q: $(grep -h '^.*tg:' "$OUT/bench_ab_qub$q.log" | tail -1)" | tee -a "$OUT/summary.txt"
+          done ;;
 esac; done
 python3 - "$OUT" <<'PY'
 import json, os, sys

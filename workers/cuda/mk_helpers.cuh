@@ -51,7 +51,10 @@ __device__ __forceinline__ float dotx(const uint4& w, const float* xs, int c) {
 // dot of one quantized chunk c of a row of K (16 bytes of quants w, its block's scale word sc) with x
 // (planes xp): the integers' dot, then times d (plus m times the sum of x for Q4_1)
 // at most this many 16-byte loads of quants in flight a lane (24 measured neutral: BENCHMARKS.md)
-constexpr int QUB = 8;
+#ifndef CFG_QUB
+#define CFG_QUB 8
+#endif
+constexpr int QUB = CFG_QUB;
 // CFG_QOFS 1 (Q4_*): a nibble q becomes the float (16 + q) / 32 in one permute of (q << 3) under the exponent
 // of 0.5, no subtraction: the chunk's dot is 32 S - 16 sx (sx: the sum of the chunk's x, once a chunk for
 // all rows of a warp), 2 instructions a weight instead of 3 (permute, subtract, FMA). Its fp32 rounding
