@@ -16,7 +16,7 @@ from kog_dist.formats import open_model
 from kog_dist.models import default_gguf_path
 from kog_dist.sampling import SamplingParams, sample
 from kog_dist.tp import (FIRST_CANDIDATES, ShardSampler, TPModel, check_tp, read_block, sample_sharded,
-                         split_logits, tp_plan)
+                         split_logits, tp_bytes_per_token, tp_plan)
 from workers.factory import choose
 
 from hf_reference import HFLlama, random_hf_tensors, tiny_hf_config, write_gguf, write_hf_dir
@@ -110,6 +110,14 @@ def fixtures(tmp_path_factory):
     c, t = hf_model(str(root / "hf"), seed=3, num_attention_heads=8, num_key_value_heads=2,
                     vocab_size=97, num_hidden_layers=3)
     out["hf"] = (str(root / "hf"), c, t)
+    cq, tq = hf_model(str(root / "qwen2"), seed=4, model_type="qwen2", num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97)
+    out["qwen2"] = (str(root / "qwen2"), cq, tq)           # q/k/v biases, split with their rows
+    cb, tb = hf_model(str(root / "bf16"), seed=6, num_attention_heads=4, num_key_value_heads=4,
+                      vocab_size=97, tie_word_embeddings=True)
+    tb = {k: _bf16(v) for k, v in tb.items()}
+    _save_bf16(str(root / "bf16"), tb)
+    out["bf16"] = (str(root / "bf16"), cb, tb)             # BF16 through the mapped reader, a tied head
     for name, q in (("f32", None), ("q8_0", gguf.GGMLQuantizationType.Q8_0),
                     ("q4_0", gguf.GGMLQuantizationType.Q4_0)):
         p = str(root / f"{name}.gguf")
@@ -120,6 +128,17 @@ def fixtures(tmp_path_factory):
     p = str(root / "q4_k.gguf")
     out["q4_k"] = (p, ck, _k_quant_gguf(p, ck, tk, gguf.GGMLQuantizationType.Q4_K))
     return out
+
+
+def _bf16(a):
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+def _save_bf16(d, t):
+    """t's values (already bf16-exact) stored as BF16 safetensors (numpy has no bfloat16: bits by hand)."""
+    from kog_dist.checkpoint import save_safetensors
+    save_safetensors(os.path.join(d, "model.safetensors"), {k: (v, "BF16") for k, v in t.items()})
 
 
 def _k_quant_gguf(path, c, t, qtype):
@@ -144,7 +163,7 @@ def _k_quant_gguf(path, c, t, qtype):
     return held
 
 
-@pytest.mark.parametrize("which", ["hf", "q8_0", "q4_k"])
+@pytest.mark.parametrize("which", ["hf", "qwen2", "bf16", "q8_0", "q4_k"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_rank_slices_are_the_whole_tensors_pieces(fixtures, which, n):
     """Every rank's slices (read with get_slice / GGUF row and block ranges) put together are the
@@ -167,8 +186,15 @@ def test_rank_slices_are_the_whole_tensors_pieces(fixtures, which, n):
             np.testing.assert_array_equal(np.concatenate(parts, axis=0), full)
     head = whole.tensor("lm_head.weight" if not cfg.tie_word_embeddings else "model.tok_embeddings.weight")
     np.testing.assert_array_equal(np.concatenate([m.weights["lm_head.weight"] for m in models]), head)
-    # only the rank's rows of the vocabulary, and a fraction of the layer bytes
+    # only the rank's rows of the vocabulary, and only its share of the layer bytes was read
     assert sum(m.weights["lm_head.weight"].shape[0] for m in models) == cfg.vocab_size
+    norms = 4 * cfg.hidden_size * (2 * cfg.num_hidden_layers + 1)       # copied to every rank, with biases
+    norms += 4 * cfg.num_hidden_layers * (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    bits = 16 if whole.dtype("model.layers.0.attention.wq.weight") in ("BF16", "F16") else 32   # as read
+    share = tp_bytes_per_token(cfg, n, bits=bits)
+    for m in models:
+        assert 0.9 * share <= m.src.nbytes_read <= share + norms, (m.src.nbytes_read, share)
+    assert share < 0.6 * tp_bytes_per_token(cfg, 1, bits=bits)
     for m in models:
         m.close()
     whole.close()
@@ -235,8 +261,8 @@ def test_sharded_sampling_asks_for_more_candidates_only_when_the_draw_needs_them
 
 # -- N ranks under mpiexec -----------------------------------------------------------------------------
 @pytest.mark.mpi
-@pytest.mark.parametrize("which,ranks", [("hf", (2, 4, 8)), ("f32", (2,)), ("q8_0", (2, 4)), ("q4_0", (8,)),
-                                         ("q4_k", (2, 4))])
+@pytest.mark.parametrize("which,ranks", [("hf", (2, 4, 8)), ("qwen2", (2, 4)), ("bf16", (4,)), ("f32", (2,)),
+                                         ("q8_0", (2, 4)), ("q4_0", (8,)), ("q4_k", (2, 4))])
 def test_greedy_ids_through_n_ranks_equal_one_rank_and_the_reference(fixtures, which, ranks):
     """8 ranks of a model of 2 KV heads: each KV head replicated on 4 ranks."""
     path, c, held = fixtures[which]
@@ -393,3 +419,13 @@ def test_launch_dry_run_shows_each_ranks_share(fixtures):
     bad = subprocess.run([sys.executable, "-m", "kog_cli", "launch", "--np", "3", "--dry-run", "--", "kog-worker",
                           "--model", path], capture_output=True, text=True, timeout=60, env=mpi_env())
     assert bad.returncode == 0 and "3 ranks do not divide num_attention_heads=8" in bad.stderr
+
+
+@pytest.mark.mpi
+def test_dtype_store_through_ranks_equals_one_rank(fixtures):
+    """--dtype q8_0: each rank rounds its own column slices to Q8_0 blocks (they start on block
+    boundaries), the values one rank gives the whole matrices."""
+    path = fixtures["hf"][0]
+    args = ["-n", "12", "--temperature", "0", "--dtype", "q8_0"]
+    one = kog_np(path, 1, *args)["token_ids"]
+    assert kog_np(path, 2, *args)["token_ids"] == one
