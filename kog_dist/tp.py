@@ -142,13 +142,14 @@ class TPModel:
                 for n in names:
                     rows, cols = _slices(plan, n)
                     a = check_finite(n, read_block(src, n, rows, cols))
-                    if store not in (None, "F32") and ".layers." in n and not n.endswith((".bias", "norm.weight")):
+                    norm = "norm." in n                    # .weight, or a one-lane Laneformer's .scale [1, D]
+                    if store not in (None, "F32") and ".layers." in n and not (norm or n.endswith(".bias")):
                         a = stored_values(a, store)
-                    if n.endswith("norm.weight"):
+                    if norm:
                         a = np.broadcast_to(a.reshape(-1), (1, src.cfg.hidden_size)).copy()
                     else:
                         a = np.ascontiguousarray(a[None], dtype=np.float32)
-                    w[n] = a
+                    w[n.replace(".scale", ".weight")] = a
                     w.nbytes_stored += a.nbytes
                     bar.advance(1)
                 head = "model.tok_embeddings.weight" if src.cfg.tie_word_embeddings else "lm_head.weight"

@@ -429,3 +429,16 @@ def test_dtype_store_through_ranks_equals_one_rank(fixtures):
     args = ["-n", "12", "--temperature", "0", "--dtype", "q8_0"]
     one = kog_np(path, 1, *args)["token_ids"]
     assert kog_np(path, 2, *args)["token_ids"] == one
+
+
+@pytest.mark.mpi
+def test_one_lane_laneformer_checkpoint_through_ranks(tmp_path):
+    """A Laneformer directory of one lane (per-lane norm scales, `.scale` [1, D]; read through the
+    whole-tensor fallback: the Laneformer reader has no block reads) gives one rank's ids through 2 and 4."""
+    from kog_dist.tiny import write_tiny_checkpoint
+    d = str(tmp_path / "lf1")
+    write_tiny_checkpoint(d, num_lanes=1, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+                          num_key_value_heads=4, intermediate_size=128, vocab_size=300, seed=5,
+                          replicated_rmsn_scale=False)
+    one = kog_np(d, 1, "-n", "12", "--temperature", "0")["token_ids"]
+    assert [kog_np(d, n, "-n", "12", "--temperature", "0")["token_ids"] for n in (2, 4)] == [one, one]
