@@ -442,3 +442,11 @@ def test_one_lane_laneformer_checkpoint_through_ranks(tmp_path):
                           replicated_rmsn_scale=False)
     one = kog_np(d, 1, "-n", "12", "--temperature", "0")["token_ids"]
     assert [kog_np(d, n, "-n", "12", "--temperature", "0")["token_ids"] for n in (2, 4)] == [one, one]
+
+
+def test_generate_np_backend_cuda_refuses_one_lane_before_any_rank_starts(fixtures):
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "generate", "--np", "2", "--backend", "cuda", "--model",
+                        fixtures["hf"][0], "--prompt-ids", "1,2"], capture_output=True, text=True, timeout=60,
+                       env=mpi_env())
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the cuda backend does not split a one-lane" in r.stderr

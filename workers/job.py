@@ -64,7 +64,7 @@ def run(a) -> int:
     here = a.backend != "cpu" and cuda_available()
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
     everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
-    kind, note = choose(a.backend, size, here, everywhere, cfg)
+    kind, note = _all_or_none(world, lambda: choose(a.backend, size, here, everywhere, cfg))   # said once
     if note and rank == 0:
         log(note)
     placed = _place(a, info, use_gpus=kind == "cuda")   # before the buffers below, so they are near the rank
