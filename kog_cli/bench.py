@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -183,6 +184,9 @@ def main(argv=None) -> int:
         if err:
             print(f"kog bench: error: {err}", file=sys.stderr)
             return 2
+        if args.backend == "cpu":   # ranks share the cores: one BLAS thread each, as kog-worker's
+            for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                os.environ.setdefault(v, "1")
         from .bench_mr import launch
         return launch(argv, args.nranks)
     if args.in_mpi and args.backend == "cpu":
