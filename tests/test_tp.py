@@ -450,3 +450,16 @@ def test_generate_np_backend_cuda_refuses_one_lane_before_any_rank_starts(fixtur
                        env=mpi_env())
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "the cuda backend does not split a one-lane" in r.stderr
+
+
+@pytest.mark.mpi
+def test_chat_np_three_answers_through_tensor_parallel_ranks():
+    """`kog chat --np 3` on the default model (its own 3 ranks under mpiexec): the answer, then a clean stop."""
+    if not default_gguf_path():
+        pytest.skip("the default model is not fetched (any kog command online fetches it)")
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "chat", "--np", "3", "--backend", "cpu", "-n", "16",
+                        "--temperature", "0"], input="What is the capital of France?\n", capture_output=True,
+                       text=True, timeout=300, env=mpi_env())
+    assert r.returncode == 0, r.stderr
+    assert "The capital of France is Paris." in r.stdout
+    assert "Traceback" not in r.stderr
