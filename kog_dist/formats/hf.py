@@ -219,15 +219,7 @@ class HFSource(ModelSource):
         if dt == "BF16":
             # numpy has no bfloat16, so safetensors' numpy reader refuses BF16 tensors: the bits come
             # through the project's memory-mapped reader.
-            f = self._raw_files.get(fname)
-            if f is None:
-                try:
-                    f = self._raw_files[fname] = _File(os.path.join(self.path, fname))
-                except CheckpointError as e:
-                    raise FormatError(str(e)) from None
-            meta = f.header[hn]
-            arr = np.frombuffer(f.mm, dtype=DTYPES[dt], count=int(np.prod(shape, dtype=np.int64)),
-                                offset=f.data_start + meta["data_offsets"][0]).reshape(shape)
+            arr = self._read_view(hn)
             return np.array(arr if rows is None else arr[rows], copy=True)
         sl = self._open[fname].get_slice(hn)
         if rows is None:
