@@ -463,3 +463,27 @@ def test_chat_np_three_answers_through_tensor_parallel_ranks():
     assert r.returncode == 0, r.stderr
     assert "The capital of France is Paris." in r.stdout
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.mpi
+def test_kog_serve_np_four_completes_with_the_reference_ids(fixtures):
+    """`kog serve --np 4` (the HTTP gateway over 4 tensor-parallel ranks, KV heads replicated): a greedy
+    completion's tokens are the HF-style reference's; SIGTERM stops everything with 0."""
+    import httpx
+    from serve_helpers import Serve
+    path, c, t = fixtures["hf"]
+    ref = HFLlama(c, t).greedy(PROMPT, 8)[0]
+    want = ref[:ref.index(2) + 1] if 2 in ref else ref               # eos (id 2) ends a completion
+    s = Serve("--model", path, "--backend", "cpu", "--np", "4", "--bind", "none")
+    try:
+        assert s.rank_pids()                                          # the launcher, under kog serve
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+            "prompt": " ".join(f"t{i}" for i in PROMPT), "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert [int(w[1:]) for w in r.json()["choices"][0]["text"].split()] == want
+        assert "4 rank(s), backend cpu, tensor parallel" in s.err.text()
+        assert s.stop(signal.SIGTERM) == 0
+        assert not s.rank_pids()
+    finally:
+        if s.rank_pids():
+            s.stop(signal.SIGKILL)
