@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--json-out", help="also write the JSON report to this file")
     ap.add_argument("--np", type=int, default=1, dest="nranks",
-                    help="ranks of the multi-rank cuda backend, one per GPU, started under mpiexec / mpirun / srun")
+                    help="ranks, started under mpiexec / mpirun / srun: the multi-rank cuda backend, one per GPU; "
+                         "with --backend cpu --model, the cpu backend's ranks (tensor parallel for a one-lane model)")
     from .bench_mr import IN_MPI
     ap.add_argument(IN_MPI, action="store_true", dest="in_mpi", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -178,13 +180,19 @@ def main(argv=None) -> int:
     from workers.factory import cuda_available
     if args.nranks != 1 and not args.in_mpi:
         err = _check_np(args)
-        if err is None and not cuda_available():
+        if err is None and args.backend != "cpu" and not cuda_available():
             err = "--np runs the multi-rank cuda backend: it needs CuPy and a CUDA GPU on every rank"
         if err:
             print(f"kog bench: error: {err}", file=sys.stderr)
             return 2
+        if args.backend == "cpu":   # ranks share the cores: one BLAS thread each, as kog-worker's
+            for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                os.environ.setdefault(v, "1")
         from .bench_mr import launch
         return launch(argv, args.nranks)
+    if args.in_mpi and args.backend == "cpu":
+        from .bench_tp import run_rank as run_cpu_rank
+        return run_cpu_rank(args, _say, _emit)
     if args.in_mpi:
         from .bench_mr import run_rank
         return run_rank(args, _say, _emit)
@@ -308,7 +316,18 @@ def _check_np(args) -> str | None:
     if args.nranks < 1:
         return f"--np must be >= 1 (got {args.nranks})"
     if args.backend == "cpu":
-        return "--np runs the multi-rank cuda backend; the cpu backend's bench is one process"
+        if args.shape or not args.model:
+            return "--np with --backend cpu runs a real model: give --model (a GGUF file, a directory or a built-in name)"
+        try:   # a rank count the model cannot split into is refused before any rank starts
+            from kog_dist.formats import open_model
+            from kog_dist.models import resolve_model
+            from workers.oneshot import check_rank_count
+            src = open_model(resolve_model(args.model, say=_say), progress=False)
+            src.close()
+            check_rank_count(src.cfg, args.nranks)
+        except (ValueError, OSError) as e:
+            return str(e).splitlines()[0]
+        return None
     try:
         from kog_dist.config import load_config
         from workers.cuda.multirank import check

@@ -26,7 +26,7 @@ SUBCOMMANDS = {  # name -> (module, one-line help)
     "serve": ("kog_cli.serve", "OpenAI-compatible HTTP server and playground (starts the ranks, or --connect)"),
     "chat": ("kog_cli.chat", "interactive terminal chat (streams; a local server, or --connect)"),
     "topo": ("topology.cli", "machine topology report and rank placement plan"),
-    "launch": ("launch.cli", "start ranks with the launcher that is present (mpiexec, mpirun, srun)"),
+    "launch": ("kog_cli.launch_cmd", "start ranks with the launcher that is present (mpiexec, mpirun, srun)"),
 }
 
 

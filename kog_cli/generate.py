@@ -13,7 +13,7 @@ from kccl.shm import sweep_mpich_segments
 from kog_dist.formats import open_model
 from kog_dist.tokenizer import load_tokenizer
 from launch.cli import LaunchError, build_command, detect
-from workers.factory import make_backend, resolve
+from workers.factory import choose, make_backend, resolve
 from workers.oneshot import build_request, check_rank_count, result_json
 
 
@@ -51,6 +51,8 @@ def run_under_mpiexec(a) -> int:
     tok = load_tokenizer(src)
     build_request(a, cfg, tok)                    # bad input fails here, before any rank starts
     check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
+    if a.backend == "cuda" and cfg.num_lanes == 1 and a.nranks > 1:
+        choose("cuda", a.nranks, True, True, cfg)     # the cuda backend's one-line refusal of one-lane TP
     src.close()
     req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
                                       "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system")}

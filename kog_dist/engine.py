@@ -59,9 +59,13 @@ class KVCache:
 
 class ReferenceEngine:
     def __init__(self, cfg: LaneformerConfig, weights, embed, lanes: range | None = None,
-                 exchange=None, max_seq: int | None = None, prefill_chunk: int | None = None):
+                 exchange=None, max_seq: int | None = None, prefill_chunk: int | None = None,
+                 tp: bool = False):
         """`weights`: kog_dist.checkpoint.Weights for `lanes`; `embed(ids) -> [T, D]` float32 rows of the
-        embedding table; `lm_head` [V, D] is in weights (or the embedding table when tied)."""
+        embedding table; `lm_head` [V, D] is in weights (or the embedding table when tied).
+        tp: this rank holds a tensor-parallel shard of a one-lane model (kog_dist.tp; cfg is the shard's):
+        every attention and MLP partial is summed over the ranks by `exchange.allreduce`, and the
+        logits returned are those of the rank's vocabulary rows."""
         self.cfg = cfg
         self.w = weights
         self.embed = embed
@@ -73,6 +77,7 @@ class ReferenceEngine:
         self.inv_freq = rope_inv_freq(cfg)                      # rope_scaling applied there
         self.pos = 0
         self.prefill_chunk = prefill_chunk   # tokens per forward pass (bounds the exchange payload)
+        self.tp = tp
 
     # -- state -----------------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -118,13 +123,16 @@ class ReferenceEngine:
             h = h + self._combine("mlp", i, m, pending, sqrtL)
         self.pos += T
         y_local = rms(h if all_logits else h[:, -1:], w["model.norm.weight"], cfg.norm_eps).sum(axis=0)
-        y = self.ex.allreduce("final", y_local) / np.float32(cfg.num_lanes)
+        # tensor parallel: every rank holds the whole residual stream already
+        y = y_local if self.tp else self.ex.allreduce("final", y_local) / np.float32(cfg.num_lanes)
         head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.tok_embeddings.weight"]
         return y @ head.T
 
     def _combine(self, kind: str, i: int, part: np.ndarray, pending: dict, sqrtL) -> np.ndarray:
         """The spec's combine rule for this layer's partials `part` [nl, T, D] of the local lanes."""
         cfg, delta, N = self.cfg, self.cfg.broadcast_delay, self.cfg.num_hidden_layers
+        if self.tp:      # one lane split by heads / FFN columns: the partials of every rank, now
+            return self.ex.allreduce(kind, part[0])[None]
         if not cfg.use_comm:
             return sqrtL * part
         early = i < delta

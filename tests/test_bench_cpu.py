@@ -43,7 +43,8 @@ def test_np_is_checked_before_any_rank_starts(tmp_path):
     for args, why in ((("--shape", "2b", "--np", "3"), "3 ranks do not divide num_lanes=8"),
                       (("--model", d, "--np", "8"), "8 ranks do not divide num_lanes=4"),
                       (("--model", d, "--np", "0"), "--np must be >= 1"),
-                      (("--model", d, "--np", "2", "--backend", "cpu"), "the cpu backend's bench is one process"),
+                      (("--model", d, "--np", "8", "--backend", "cpu"), "8 ranks do not divide num_lanes=4"),
+                      (("--shape", "2b", "--np", "2", "--backend", "cpu"), "--np with --backend cpu runs a real model"),
                       (("--model", str(tmp_path / "nope"), "--np", "2"), "does not exist")):
         r = kog("bench", *args)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)

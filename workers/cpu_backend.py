@@ -26,14 +26,22 @@ CPU_FIRST_DRAFT = 4
 
 class CpuBackend(Backend):
     def __init__(self, cfg, weights, embed, lanes=None, exchange=None, max_seq=None, num_slots=4,
-                 agree=None, prefill_chunk=None, fast: bool = True):
-        """`agree(flag) -> bool` makes every rank take rank 0's decision to go on (None: one rank)."""
+                 agree=None, prefill_chunk=None, fast: bool = True, tp=None):
+        """`agree(flag) -> bool` makes every rank take rank 0's decision to go on (None: one rank).
+        tp: this rank's part of a tensor-parallel job (workers.cpu_tp.TensorParallel): cfg, weights and
+        the logits are the shard's; partials are summed over the ranks, tokens sampled across the
+        vocabulary shards; speculative requests decode plainly (the same tokens)."""
         self.cfg = cfg
+        self.tp = tp
         self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.num_slots = num_slots
         # fused q/k/v and gate/up matrices; the engines' weights become views of them (one copy)
         self.decoder = FastDecoder(cfg, FusedWeights(cfg, weights), embed) if fast else None
-        self._new = lambda: ReferenceEngine(cfg, weights, embed, lanes, exchange, self.max_seq, prefill_chunk)
+        if tp is not None and self.decoder is not None:
+            self.decoder.reduce = tp.reduce
+        self._new = lambda: ReferenceEngine(cfg, weights, embed, lanes, exchange, self.max_seq, prefill_chunk,
+                                            tp=tp is not None)
+        self.sample = tp.sample if tp is not None else sample
         self.slots = [None] * num_slots
         self.tokens = [[] for _ in range(num_slots)]   # the ids each slot's cache holds
         self.agree = agree or (lambda flag: flag)
@@ -83,15 +91,16 @@ class CpuBackend(Backend):
         held += [int(t) for t in feed]
         res.prefill_ms = clock.ms()
         stop = (set() if ignore_eos else set(self.cfg.eos_token_ids)) | set(cmd.stop_ids)
-        verify = self._verify() if cmd.speculative > 0 else None
-        if cmd.speculative <= 0:
+        speculative = cmd.speculative if self.tp is None else 0
+        verify = self._verify() if speculative > 0 else None
+        if speculative <= 0:
             drafts, min_ngram = None, 1
         elif verify:
-            drafts, min_ngram = AdaptiveDraft(cmd.speculative, start=CPU_FIRST_DRAFT), CPU_MIN_NGRAM
+            drafts, min_ngram = AdaptiveDraft(speculative, start=CPU_FIRST_DRAFT), CPU_MIN_NGRAM
         else:
-            drafts, min_ngram = AdaptiveDraft(cmd.speculative), 1
+            drafts, min_ngram = AdaptiveDraft(speculative), 1
         t_first = None
-        ahead = [] if cmd.max_new_tokens == 0 else [sample(logits, cmd.sampling, counter=len(held))]
+        ahead = [] if cmd.max_new_tokens == 0 else [self.sample(logits, cmd.sampling, counter=len(held))]
         while ahead:
             # ahead: tokens drawn but not yet given out; all but the last of a verify pass are accepted
             # drafts, whose keys and values the cache already holds
@@ -128,7 +137,7 @@ class CpuBackend(Backend):
                 continue
             logits = self.decoder.step(eng, tok) if self.decoder else eng.step(tok)
             held.append(tok)
-            ahead = [sample(logits, cmd.sampling, counter=len(held))]
+            ahead = [self.sample(logits, cmd.sampling, counter=len(held))]
         if not res.token_ids and cmd.max_new_tokens == 0:
             res.stop_reason = "none"
         eng.truncate(len(held))        # drafts accepted past a stop are not context

@@ -154,6 +154,8 @@ class FastDecoder:
             threads = None
         self.threads = threads or self.base_threads
         self.cfg, self.fw, self.embed, self.nl = cfg, fused, embed, nl
+        # tensor parallel (workers.cpu_tp): the sum over the ranks of a partial [D] (wo's, w2's)
+        self.reduce = None
         hd, hl, kvl = cfg.head_dim, cfg.heads_per_lane, cfg.kv_heads_per_lane
         self.hd, self.hl, self.kvl, self.g = hd, hl, kvl, hl // kvl
         self.nq, self.nk = hl * hd, kvl * hd
@@ -242,7 +244,7 @@ class FastDecoder:
         s /= s.sum(axis=-1, keepdims=True)
         att = np.matmul(s, V[:, lo:S])                                  # [kvl, g, hd]
         np.matmul(wo, att.reshape(nq), out=vec)
-        h += vec
+        h += vec if self.reduce is None else self.reduce(vec)
         np.matmul(wgu, self.rms(h, g_ffn), out=gu)
         np.negative(gate, out=t)                      # gate / (1 + exp(-gate)) * up
         np.exp(t, out=t)
@@ -250,7 +252,7 @@ class FastDecoder:
         np.divide(gate, t, out=t)
         t *= up
         np.matmul(wdown, t, out=vec)
-        h += vec
+        h += vec if self.reduce is None else self.reduce(vec)
 
     def _step_one(self, eng, token_id: int, pos: int) -> np.ndarray:
         """One lane in all (a Llama-family model): everything is a 1-D vector (layer_one)."""

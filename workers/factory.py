@@ -7,6 +7,7 @@ from kog_dist.checkpoint import Model
 from kog_dist.config import check_context_fits
 from kog_dist.formats import open_model
 
+from . import cpu_tp
 from .cpu_backend import CpuBackend
 from .cuda import multirank              # plain Python: no CuPy needed
 from .cuda.backend import CudaBackend   # CuPy is imported when one is built, not here
@@ -40,6 +41,12 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
         raise ValueError(f"unknown backend {kind!r} (cpu, cuda, auto)")
     if kind == "cpu":
         return "cpu", None
+    if size > 1 and cfg is not None and cfg.num_lanes == 1:
+        msg = (f"the cuda backend does not split a one-lane (Llama-family) model over {size} ranks yet "
+               "(tensor parallelism runs on the cpu backend: --backend cpu)")
+        if kind == "cuda":
+            raise ValueError(msg)
+        return "cpu", f"--backend auto: {msg}; using cpu"
     if not everywhere:
         if kind == "cuda":
             if size == 1:
@@ -71,13 +78,14 @@ K_STORES = ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M")
 
 def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=None,
                  num_slots: int = 4, progress=None, comm=None, prefill_chunk=None, dtype=None,
-                 speculative: bool = False):
+                 speculative: bool = False, tp=None):
     """Returns (backend, cfg). `src` is the opened model (kog_dist.formats.open_model: config and tensor
     source) or a path to open; `lanes` is this rank's range (None: all); exchange/agree carry the lane
     sums and the go-on decision between ranks (None: one rank). `dtype` (None: the model's own):
     bf16, fp16, fp32, q8_0, q4_0 or q4_1 storage of the layer matrices; the cpu backend computes on
     the values that storage holds, the cuda backend streams it. `speculative`: requests will speculate by
-    default (the cuda backend compiles for it)."""
+    default (the cuda backend compiles for it). `tp` (rank, size): this rank's shard of a one-lane model
+    split over `size` ranks by tensor parallelism (workers.cpu_tp; `comm` carries its sums)."""
     store = STORE_NAMES.get(str(dtype).lower()) if dtype is not None else None
     if dtype is not None and store is None:
         raise ValueError(f"--dtype {dtype}: not a storage type ({', '.join(STORE_NAMES)})")
@@ -92,6 +100,12 @@ def make_backend(kind: str, src, lanes=None, max_seq=None, exchange=None, agree=
         raise ValueError(f"--dtype {dtype}: the cpu backend stores bf16, fp16, fp32, q8_0, q4_0 or q4_1 (a K-quant "
                          "GGUF runs as it is stored: leave --dtype out)")
     check_context_fits(src.cfg, max_seq)   # a context whose KV cache cannot fit is refused before loading
+    if tp is not None and tp[1] > 1:
+        m, par = cpu_tp.build(src, comm, tp[0], tp[1], progress=progress, store=store)
+        b = CpuBackend(m.local_cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree,
+                       prefill_chunk, tp=par)
+        b.model = m
+        return b, m.cfg
     m = Model(src, lanes, progress, store=store)
     b = CpuBackend(m.cfg, m.weights, m.embed, m.lanes, exchange, max_seq, num_slots, agree, prefill_chunk)
     b.model = m

@@ -55,7 +55,8 @@ def run(a) -> int:
     src = _rank0_first(world, lambda: open_model(model, progress=None if rank == 0 else False))
     cfg = src.cfg
     _all_or_none(world, lambda: check_rank_count(cfg, size))   # refuses N the model cannot split into, once
-    lanes = cfg.lanes_of_rank(rank, size)
+    tp = cfg.num_lanes == 1 and size > 1      # a one-lane model over several ranks: tensor parallelism
+    lanes = range(0, 1) if tp else cfg.lanes_of_rank(rank, size)
     if not a.oneshot:   # and so does an endpoint rank 0 may not bind: on every rank (same arguments, same
         # node), so that every rank leaves with the error and none is left waiting in the next collective
         keys = CurveKeys(a.curve_server_key, a.curve_clients) if a.curve_server_key else None
@@ -63,7 +64,7 @@ def run(a) -> int:
     here = a.backend != "cpu" and cuda_available()
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
     everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
-    kind, note = choose(a.backend, size, here, everywhere, cfg)
+    kind, note = _all_or_none(world, lambda: choose(a.backend, size, here, everywhere, cfg))   # said once
     if note and rank == 0:
         log(note)
     placed = _place(a, info, use_gpus=kind == "cuda")   # before the buffers below, so they are near the rank
@@ -95,15 +96,16 @@ def run(a) -> int:
             kind, src, lanes=lanes, max_seq=a.max_seq, exchange=KcclExchange(comm) if size > 1 else None,
             agree=make_agree(comm), num_slots=max(1, a.slots), progress=None if rank == 0 else False,
             comm=gcomm or comm, prefill_chunk=max_floats // cfg.hidden_size, dtype=a.dtype,
-            speculative=a.speculative > 0))
+            speculative=a.speculative > 0, tp=(rank, size) if tp else None))
         if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
             hb = Heartbeat.start(world, log=log)
         if rank != 0 and not a.oneshot:
             return follow(backend, comm, log)
         if a.oneshot:
             return _oneshot(a, src, cfg, backend, comm, kind)
-        log(f"{size} rank(s), backend {kind}, lanes {lanes.start}..{lanes.stop - 1} on rank 0, "
-            f"binding {placed}")
+        split = (f"tensor parallel ({_tp_line(backend)})" if tp else
+                 f"lanes {lanes.start}..{lanes.stop - 1} on rank 0")
+        log(f"{size} rank(s), backend {kind}, {split}, binding {placed}")
         return _serve(a, src, cfg, backend, comm, hb)
     finally:
         if hb is not None:
@@ -111,6 +113,13 @@ def run(a) -> int:
         if gcomm is not None:   # clean exit: collective shutdown (a peer's last ack may still land)
             gcomm.shutdown() if sys.exc_info()[0] is None else gcomm.close()
         comm.close()
+
+
+def _tp_line(backend) -> str:
+    p = backend.tp.plan
+    return (f"heads {p.heads.start}..{p.heads.stop - 1}, KV heads {p.kv.start}..{p.kv.stop - 1}"
+            f"{' replicated' if p.kv_replicated else ''}, FFN {p.ffn.start}..{p.ffn.stop - 1}, "
+            f"vocab {p.vocab.start}..{p.vocab.stop - 1} on rank 0")
 
 
 class SaidOnRank0(Exception):

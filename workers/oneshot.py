@@ -7,6 +7,7 @@ import sys
 
 from kog_dist.backend import RunCommand
 from kog_dist.sampling import SamplingParams
+from kog_dist.tp import check_tp
 
 
 def prompt_ids(a, tok) -> list[int]:
@@ -29,10 +30,11 @@ def end_of_turn_ids(cfg, tok) -> tuple[int, ...]:
 
 
 def check_rank_count(cfg, nranks: int) -> None:
-    """A rank count the model can be split into (every rank owns whole lanes), or a one-line refusal."""
-    if cfg.num_lanes == 1 and nranks > 1:
-        raise ValueError(f"this model has one lane (a Llama-family decoder): its layers cannot be split by "
-                         f"lanes, so it runs on one rank, not {nranks}")
+    """A rank count the model can be split into, or a one-line refusal: whole lanes a rank for a
+    Laneformer; for a one-lane (Llama-family) model, tensor parallelism's rules (kog_dist.tp.check_tp)."""
+    if cfg.num_lanes == 1:
+        check_tp(cfg, nranks)
+        return
     cfg.lanes_of_rank(0, nranks)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from ..checkpoint import expected_tensors, is_lane_first
 from ..config import ConfigError, LaneformerConfig
@@ -157,6 +157,26 @@ class GGUFSource(ModelSource):
             out = select(storage_bits(t.data, t.tensor_type).reshape(shape), lane, lanes, rows)
         if self.quant_type(name) is None:
             out = np.array(out, copy=True)          # plain types are views of the map until copied
+        self.nbytes_read += out.nbytes
+        return np.ascontiguousarray(out), self._dtypes[name]
+
+    def block(self, name: str, rows: slice | None = None, cols: slice | None = None):
+        """(storage bits, dtype) of rows x cols of a tensor as served without its lane axis: only those
+        rows are dequantized, and of each row only the whole blocks that cover the columns."""
+        t = self._t[name]
+        data = t.data
+        if rows is not None:
+            data = data[rows]
+        qtype = t.tensor_type
+        if cols is not None and self.quant_type(name) is not None:
+            bs, ts = GGML_QUANT_SIZES[qtype]
+            b0, b1 = cols.start // bs, -(-cols.stop // bs)
+            out = storage_bits(data[:, b0 * ts:b1 * ts], qtype)[:, cols.start - b0 * bs:cols.stop - b0 * bs]
+        else:
+            out = storage_bits(data, qtype)
+            if cols is not None:
+                out = out[:, cols]
+        out = np.array(out, copy=True)
         self.nbytes_read += out.nbytes
         return np.ascontiguousarray(out), self._dtypes[name]
 

@@ -219,15 +219,7 @@ class HFSource(ModelSource):
         if dt == "BF16":
             # numpy has no bfloat16, so safetensors' numpy reader refuses BF16 tensors: the bits come
             # through the project's memory-mapped reader.
-            f = self._raw_files.get(fname)
-            if f is None:
-                try:
-                    f = self._raw_files[fname] = _File(os.path.join(self.path, fname))
-                except CheckpointError as e:
-                    raise FormatError(str(e)) from None
-            meta = f.header[hn]
-            arr = np.frombuffer(f.mm, dtype=DTYPES[dt], count=int(np.prod(shape, dtype=np.int64)),
-                                offset=f.data_start + meta["data_offsets"][0]).reshape(shape)
+            arr = self._read_view(hn)
             return np.array(arr if rows is None else arr[rows], copy=True)
         sl = self._open[fname].get_slice(hn)
         if rows is None:
@@ -256,6 +248,46 @@ class HFSource(ModelSource):
                                           None if direct_rows is not None else rows))
         self.nbytes_read += out.nbytes
         return out, dt
+
+    def block(self, name: str, rows: slice | None = None, cols: slice | None = None):
+        """(storage bits, dtype) of rows x cols of a tensor as served without its lane axis, reading
+        only those bytes (get_slice; BF16 through the mapped file). q/k rows: `rows` must start and
+        end on head boundaries (the permutation stays within each head)."""
+        hn, dt, cfg = self._hf_names[name], self._dtypes[name], self.cfg
+        shape = self._hf_meta[hn][1]
+        r = rows or slice(0, shape[0])
+        c = cols or slice(0, shape[1]) if len(shape) > 1 else None
+        perm = None
+        if name.endswith(("attention.wq.weight", "attention.bq.bias", "attention.wk.weight", "attention.bk.bias")):
+            hd = cfg.head_dim
+            if r.start % hd or r.stop % hd:
+                raise ValueError(f"{name}: rows {r.start}..{r.stop} do not fall on heads of {hd}")
+            perm = rotate_half_to_interleaved((r.stop - r.start) // hd, hd)
+        key = (r,) if c is None else (r, c)
+        if dt == "BF16":
+            full = self._read_view(hn)
+            arr = np.array(full[key], copy=True)
+        else:
+            arr = self._open[self._where[hn]].get_slice(hn)[key]
+        if perm is not None:
+            arr = arr[perm]
+        out = np.ascontiguousarray(arr)
+        self.nbytes_read += out.nbytes
+        return out, dt
+
+    def _read_view(self, hn: str) -> np.ndarray:
+        """A BF16 tensor as a uint16 view of the mapped file (nothing read until sliced)."""
+        dt, shape = self._hf_meta[hn]
+        fname = self._where[hn]
+        f = self._raw_files.get(fname)
+        if f is None:
+            try:
+                f = self._raw_files[fname] = _File(os.path.join(self.path, fname))
+            except CheckpointError as e:
+                raise FormatError(str(e)) from None
+        meta = f.header[hn]
+        return np.frombuffer(f.mm, dtype=DTYPES[dt], count=int(np.prod(shape, dtype=np.int64)),
+                             offset=f.data_start + meta["data_offsets"][0]).reshape(shape)
 
     def close(self) -> None:
         if self._closed:
