@@ -14,7 +14,7 @@ from kog_dist.checkpoint import Model
 from kog_dist.formats import FormatError, open_model
 from kog_dist.formats.gguf_file import _Reader, _gguf_name
 
-from hf_reference import (HFLlama, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
+from hf_reference import (HFLlama, k_quant_mix, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
                           write_gguf, write_hf_dir)
 from test_engine_llama import LLAMA3, NEW, PROMPT, assert_same, run_ours
 
@@ -72,6 +72,37 @@ def test_engine_matches_reference_on_dequantized_weights(tmp_path, mix, tied):
     if mix != "f32":
         want = {"f16": None, "q8_0": "Q8_0", "q4_mix": "Q4_0"}[mix]
         assert src.quant_type("model.layers.0.feed_forward.w1.weight") == want
+    m = Model(src, progress=False)
+    assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
+    m.close()
+
+
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_k_quant_mix_matches_reference_on_dequantized_weights(tmp_path, ftype, tied):
+    """A llama.cpp-like Q4_K_M / Q5_K_M file (our K-quant encoder): the types llama.cpp would choose,
+    and ours on the file vs the HF-style reference on gguf's dequantization of the same blocks."""
+    c = tiny_hf_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                       num_hidden_layers=8, tie_word_embeddings=tied)
+    t = random_hf_tensors(c, 11)
+    path = str(tmp_path / f"{ftype}.gguf")
+    held = write_gguf(path, c, t, k_quant_mix(c, ftype))
+    types = {x.name: x.tensor_type.name for x in gguf.GGUFReader(path).tensors}
+    base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[ftype]
+    more = {0, 3, 6, 7}                     # use_more_bits of 8 layers: the first and last eighth, every third
+    for i in range(8):
+        for n in ("attn_v", "ffn_down"):
+            assert types[f"blk.{i}.{n}.weight"] == ("Q6_K" if i in more else base), (i, n)
+        for n in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{n}.weight"] == base, (i, n)
+        assert types[f"blk.{i}.attn_norm.weight"] == "F32"
+    assert types["token_embd.weight"] == ("Q6_K" if tied else base)
+    assert types.get("output.weight") == (None if tied else "Q6_K")
+    w1 = t["model.layers.1.mlp.up_proj.weight"]
+    err = np.sqrt(np.mean((held["model.layers.1.mlp.up_proj.weight"] - w1) ** 2) / np.mean(w1 ** 2))
+    assert 0.005 < err < 0.08                 # quantized, and well
+    src = open_model(path)
+    assert src.quant_type("model.layers.3.attention.wv.weight") == "Q6_K"
     m = Model(src, progress=False)
     assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
     m.close()
