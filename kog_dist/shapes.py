@@ -23,6 +23,18 @@ SHAPES: dict[str, dict] = {
                         eos_token_id=128001,
                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # meta-llama/Llama-3.1-8B: untied, llama3 rope scaling (factor 8)
+    "llama3.1-8b": dict(_LLAMA, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                        norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                        bos_token_id=128000, eos_token_id=128001,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Qwen/Qwen2.5-7B-Instruct: q/k/v biases, untied, 152064-row vocabulary
+    "qwen2.5-7b": dict(_LLAMA, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, rope_theta=1000000.0,
+                       norm_eps=1e-6, max_position_embeddings=32768, attention_bias=True,
+                       tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
     # HuggingFaceTB/SmolLM2-135M: the built-in default model's shape
     "smollm2-135m": dict(_LLAMA, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,
