@@ -321,3 +321,28 @@ def write_gguf(path: str, c: dict, t: dict[str, np.ndarray], qtype=None, arch: s
         if n:
             held[hf] = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
     return held
+
+
+def read_gguf_as_hf(path: str, c: dict) -> dict[str, np.ndarray]:
+    """A llama GGUF's tensors as float32 in HF names and layout (gguf's reader and dequantizer; q/k rows
+    back from GGUF's interleaved order to rotate-half): what the reference computes with."""
+    import gguf
+    from gguf.quants import dequantize
+    H = c["num_attention_heads"]
+    KV = c.get("num_key_value_heads") or H
+    names = {v: k for k, v in _GGUF_GLOBAL.items()}
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        if t.name in names:
+            hf = names[t.name]
+        else:
+            _, i, rest = t.name.split(".", 2)
+            hf = f"model.layers.{i}." + next(k for k, v in _GGUF.items() if v == rest)
+        a = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
+        n = H if "q_proj" in hf else KV if "k_proj" in hf else None
+        if n:
+            a = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        out[hf] = a
+    return out
