@@ -308,9 +308,16 @@ def to_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, rounding to nearest even."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 -> bf16 bits, rounding to nearest even. In slices: the uint64 temporaries of a whole
+    embedding (525M values for Llama 3's) would take 17 GB."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.uint16)
+    src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
+    step = 1 << 20
+    for s in range(0, src.size, step):
+        u = src[s:s + step].astype(np.uint64)
+        dst[s:s + step] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return out
 
 
 class Weights(dict):

@@ -160,3 +160,16 @@ def test_cli_writes_a_k_quant_gguf(tmp_path, capsys):
     assert [t[n] for n in ("token_embd.weight", "output.weight", "blk.0.attn_v.weight", "blk.1.attn_v.weight",
                            "blk.1.ffn_down.weight", "blk.1.ffn_up.weight")] == \
         ["Q4_K", "Q6_K", "Q4_K", "Q6_K", "Q6_K", "Q4_K"]
+
+
+def test_bf16_bits_in_slices_rounds_as_the_whole_array():
+    """The sliced bf16_bits (big tensors) against the plain formula, across slice boundaries, on every
+    kind of float32 bit pattern, ties to even among them."""
+    from kog_dist.checkpoint import bf16_bits
+    rng = np.random.default_rng(0)
+    u = rng.integers(0, 2 ** 32, size=(3, 1_000_003), dtype=np.uint64).astype(np.uint32)
+    u[0, :4] = [0x3F808000, 0x3F818000, 0x7F800000, 0xFF7FFFFF]      # ties down and up, inf, -max
+    x = u.view(np.float32)
+    w = u.astype(np.uint64)
+    assert np.array_equal(bf16_bits(x), ((w + 0x7FFF + ((w >> 16) & 1)) >> 16).astype(np.uint16))
+    assert list(bf16_bits(x[0, :3])) == [0x3F80, 0x3F82, 0x7F80]
