@@ -14,9 +14,12 @@ import os
 import shutil
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from .checkpoint import ITEMSIZE, bf16_bits, expected_tensors, write_safetensors_stream
 from .config import LaneformerConfig
+from .formats.gguf_write import (PLAIN_ITEMSIZE, ROPE_FREQS, GGUFModelWriter, byte_shape, encode, gguf_layout,
+                                 rope_factors)
 from .progress import Progress
 from .shapes import SHAPES
 
@@ -131,10 +134,6 @@ def write_tiny_checkpoint(out: str, *, dtype: str = "F32", shards: int = 1, seed
 
 
 def _write_gguf(path, cfg, tensors, dtype, vals, progress) -> None:
-    from gguf import GGML_QUANT_SIZES
-
-    from .formats.gguf_write import (PLAIN_ITEMSIZE, ROPE_FREQS, GGUFModelWriter, byte_shape, encode, gguf_layout,
-                                     rope_factors)
     layout = gguf_layout(cfg, tensors, dtype)
     types = {g: (s, qt) for g, s, qt in layout.values()}
     total = sum(math.prod(byte_shape(s, qt)) * PLAIN_ITEMSIZE.get(qt, 1) for s, qt in types.values())
