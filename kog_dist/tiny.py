@@ -28,7 +28,7 @@ TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=1
                      max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
 DEFAULT_MODEL_VERSION = "tiny-v1"
 FAST_PARAMS = 300_000_000
-POOL = 1 << 22                      # values in a pool: runs of up to half of it are copied
+POOL = 1 << 23                      # values in a pool: runs of up to half of it are copied
 PROGRESS_BYTES = 256 << 20
 
 
