@@ -12,7 +12,9 @@ import sys
 from kog_dist.checkpoint import CheckpointError, expected_tensors
 from kog_dist.config import ConfigError
 from kog_dist.formats.convert import convert
+from kog_dist.formats.gguf_write import GGUF_DTYPES
 from kog_dist.models import resolve_model
+from kog_dist.shapes import SHAPES
 from kog_dist.tiny import write_tiny_checkpoint
 from workers.oneshot import emit
 
@@ -114,15 +116,21 @@ def cmd_checkpoint(argv) -> int:
         convert(resolve_model(a.src), a.dst, dtype=a.dtype)
         print(f"wrote {a.dst} (Laneformer layout) from {a.src}")
         return 0
-    t = sub.add_parser("tiny", help="random weights (config.json + safetensors)")
-    t.add_argument("dir")
+    t = sub.add_parser("tiny", help="random weights: a Laneformer directory (config.json + safetensors) or, "
+                       "with --format gguf, a one-lane GGUF file")
+    t.add_argument("dir", help="the directory to write (--format gguf: the file)")
+    t.add_argument("--shape", default=None, help=f"start from a named shape ({', '.join(SHAPES)}); the flags "
+                   "below change it")
     for flag, key in (("--layers", "num_hidden_layers"), ("--hidden", "hidden_size"), ("--lanes", "num_lanes"),
                       ("--heads", "num_attention_heads"), ("--kv-heads", "num_key_value_heads"),
                       ("--ffn", "intermediate_size"), ("--vocab", "vocab_size"), ("--delay", "broadcast_delay"),
                       ("--window", "sliding_window"), ("--window-layers", "sliding_window_n_layers"),
                       ("--max-pos", "max_position_embeddings")):
         t.add_argument(flag, dest=key, type=int, default=None)
-    t.add_argument("--dtype", default="f32", type=str.upper, choices=("F32", "F16", "BF16"))
+    t.add_argument("--format", default="laneformer", choices=("laneformer", "gguf"), dest="fmt")
+    t.add_argument("--dtype", default=None, type=str.lower, choices=tuple(GGUF_DTYPES),
+                   help="storage: f32 (the default), f16, bf16; --format gguf also q8_0, q4_0, q4_1, q5_0, q5_1, "
+                   "q4_k, q5_k, q6_k and llama.cpp's q4_k_m, q5_k_m mixes")
     t.add_argument("--shards", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--tie", dest="tie_word_embeddings", action="store_true", default=None)
@@ -131,12 +139,22 @@ def cmd_checkpoint(argv) -> int:
         t.add_argument(flag, dest=key, action="store_false", default=None)
     a = vars(p.parse_args(argv))
     a.pop("kind")
-    out, dtype, shards, seed = a.pop("dir"), a.pop("dtype"), a.pop("shards"), a.pop("seed")
-    cfg = write_tiny_checkpoint(out, dtype=dtype, shards=shards, seed=seed,
+    out, shards, seed, shape, fmt = a.pop("dir"), a.pop("shards"), a.pop("seed"), a.pop("shape"), a.pop("fmt")
+    dtype = a.pop("dtype") or "f32"
+    if shape is not None and shape not in SHAPES:
+        raise UsageError(f"unknown --shape {shape!r} (known: {', '.join(SHAPES)})")
+    if fmt == "laneformer" and dtype not in ("f32", "f16", "bf16"):
+        raise UsageError(f"--dtype {dtype} needs --format gguf (a Laneformer directory holds f32, f16 or bf16)")
+    if fmt == "gguf" and shards != 1:
+        raise UsageError("--shards is for a Laneformer directory; a GGUF is one file")
+    if fmt == "gguf" and a.get("num_lanes") is None and (shape is None or SHAPES[shape].get("num_lanes") != 1):
+        a["num_lanes"] = 1          # a GGUF is a one-lane (llama) model
+    cfg = write_tiny_checkpoint(out, dtype=dtype, shards=shards, seed=seed, shape=shape, fmt=fmt,
                                 **{k: v for k, v in a.items() if v is not None})
     nparams = sum(math.prod(s) for s in expected_tensors(cfg).values())
+    what = f"{shards} shard(s)" if fmt == "laneformer" else "GGUF"
     print(f"wrote {out}: {cfg.num_hidden_layers} layers, D {cfg.hidden_size}, {cfg.num_lanes} lanes, "
-          f"δ {cfg.broadcast_delay}, V {cfg.vocab_size}, {nparams / 1e6:.2f}M params, {dtype}, {shards} shard(s)")
+          f"δ {cfg.broadcast_delay}, V {cfg.vocab_size}, {nparams / 1e6:.2f}M params, {dtype}, {what}")
     return 0
 
 

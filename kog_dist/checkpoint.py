@@ -308,9 +308,16 @@ def to_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, rounding to nearest even."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 -> bf16 bits, rounding to nearest even. In slices: the uint64 temporaries of a whole
+    embedding (525M values for Llama 3's) would take 17 GB."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.uint16)
+    src, dst = x.reshape(-1).view(np.uint32), out.reshape(-1)
+    step = 1 << 20
+    for s in range(0, src.size, step):
+        u = src[s:s + step].astype(np.uint64)
+        dst[s:s + step] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return out
 
 
 class Weights(dict):
@@ -470,3 +477,41 @@ def save_safetensors(path: str, tensors: dict[str, tuple[np.ndarray, str]], meta
         f.write(h)
         for b in blobs:
             f.write(b)
+
+
+def write_safetensors_stream(path: str, specs: list[tuple[str, str, tuple]], produce, metadata: dict | None = None,
+                             done=None):
+    """save_safetensors for models too big to hold: `specs` [(name, dtype, shape)] fix the header,
+    then produce(name) gives each tensor in that order, one at a time: its storage bits (or float32),
+    or an iterable of flat pieces of its storage bits; done(nbytes) is called as they are written."""
+    header, off = {}, 0
+    for name, dt, shape in specs:
+        nb = math.prod(shape) * ITEMSIZE[dt]
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + nb]}
+        off += nb
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for name, dt, shape in specs:
+            arr = produce(name)
+            if isinstance(arr, np.ndarray):
+                if dt == "BF16" and arr.dtype != np.uint16:
+                    arr = bf16_bits(arr)
+                elif dt != "BF16":
+                    arr = np.asarray(arr, dtype=DTYPES[dt])
+                if tuple(arr.shape) != tuple(shape):
+                    raise ValueError(f"{name}: produced shape {list(arr.shape)}, the header says {list(shape)}")
+                arr = [arr]
+            n = 0
+            for piece in arr:
+                f.write(memoryview(np.ascontiguousarray(piece)).cast("B"))
+                n += piece.nbytes
+                if done is not None:
+                    done(piece.nbytes)
+            want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            if n != want:
+                raise ValueError(f"{name}: produced {n} bytes, the header says {want}")

@@ -22,6 +22,7 @@ class Progress:
         self._bar = tqdm(total=self.total, desc=label, unit=unit.strip() or "it", unit_scale=unit == "B",
                          file=self.stream, leave=False, dynamic_ncols=True) if enabled and tty else None
         self._next_quarter = 0.25
+        self._last = ""
 
     def _fmt(self, v: float) -> str:
         if self.unit == "B":
@@ -37,8 +38,11 @@ class Progress:
             if frac >= self._next_quarter:
                 while frac >= self._next_quarter:
                     self._next_quarter += 0.25
-                self.stream.write(f"{self.label}: {frac * 100:.0f}% ({self._fmt(self.done)})\n")
-                self.stream.flush()
+                pct = f"{frac * 100:.0f}%"
+                if pct != self._last:         # 99.9% and 100% print alike: once
+                    self.stream.write(f"{self.label}: {pct} ({self._fmt(self.done)})\n")
+                    self.stream.flush()
+                self._last = pct
 
     def __enter__(self) -> "Progress":
         return self

@@ -1,7 +1,8 @@
 """An independent Llama-family forward in plain numpy, computed the way Hugging Face's modeling code
 does (HF tensor names, rotate_half RoPE, HF's llama3 rope init, Qwen2 q/k/v biases, Mistral / Qwen2
 sliding windows, repeat_kv), in float64, reading HF tensors directly; and writers of tiny random HF
-directories and GGUF files for the format tests. Nothing here imports kog_dist."""
+directories and GGUF files for the format tests. Nothing here imports kog_dist, except write_gguf's
+K-quant encoder (gguf-py has none); what a file holds is read back with gguf's own dequantizer."""
 from __future__ import annotations
 
 import json
@@ -224,6 +225,38 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{_GGUF[rest]}"
 
 
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get more bits in the _M mixes."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def k_quant_mix(c: dict, ftype: str = "q4_k_m"):
+    """write_gguf's qtype for llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M / Q5_K_M on a llama model (its
+    llama_tensor_get_type, no experts, not the 70B rule): the ftype's K type everywhere, Q6_K for
+    attn_v and ffn_down in the use_more_bits layers and for output.weight (token_embd when tied),
+    and llama.cpp's fallbacks for rows that are not a multiple of 256 (Q4_K -> Q5_0, Q5_K -> Q5_1,
+    Q6_K -> Q8_0)."""
+    import gguf
+    Q = gguf.GGMLQuantizationType
+    base = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K}[ftype]
+    N = c["num_hidden_layers"]
+    H = c["num_attention_heads"]
+    hd = c.get("head_dim") or c["hidden_size"] // H
+    fallback = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+    def qtype(hf: str):
+        cols = (c["intermediate_size"] if hf.endswith("down_proj.weight") else
+                H * hd if hf.endswith("o_proj.weight") else c["hidden_size"])
+        if hf == "lm_head.weight" or (hf == "model.embed_tokens.weight" and c.get("tie_word_embeddings")):
+            return Q.Q6_K if cols % 256 == 0 else Q.Q8_0
+        t = base
+        if hf.endswith("v_proj.weight") or hf.endswith("down_proj.weight"):
+            if use_more_bits(int(hf.split(".")[2]), N):
+                t = Q.Q6_K
+        return t if cols % 256 == 0 else fallback[t]
+    return qtype
+
+
 def write_gguf(path: str, c: dict, t: dict[str, np.ndarray], qtype=None, arch: str = "llama",
                fields: dict | None = None, extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
     """Write HF tensors `t` as a llama.cpp-style GGUF (q/k permuted as its converter does; 2-D weights
@@ -231,6 +264,9 @@ def write_gguf(path: str, c: dict, t: dict[str, np.ndarray], qtype=None, arch: s
     the float32 values the file holds, in HF layout and names (what an exact dequantizer gives)."""
     import gguf
     from gguf.quants import dequantize, quantize
+
+    from kog_dist.formats.kquant import K_TYPES as K_QUANTS
+    from kog_dist.formats.kquant import quantize_k
     H = c["num_attention_heads"]
     KV = c.get("num_key_value_heads") or H
     w = gguf.GGUFWriter(path, arch)
@@ -269,7 +305,7 @@ def write_gguf(path: str, c: dict, t: dict[str, np.ndarray], qtype=None, arch: s
             w.add_tensor(gguf_name(hf), a.astype(np.float16))
             held[hf] = a.astype(np.float16).astype(np.float32)
         else:
-            q = quantize(a, qt)
+            q = quantize_k(a, qt) if qt in K_QUANTS else quantize(a, qt)
             w.add_tensor(gguf_name(hf), q, raw_dtype=qt)
             held[hf] = dequantize(q, qt)
     for name, (a, qt) in (extra_tensors or {}).items():
@@ -285,3 +321,28 @@ def write_gguf(path: str, c: dict, t: dict[str, np.ndarray], qtype=None, arch: s
         if n:
             held[hf] = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
     return held
+
+
+def read_gguf_as_hf(path: str, c: dict) -> dict[str, np.ndarray]:
+    """A llama GGUF's tensors as float32 in HF names and layout (gguf's reader and dequantizer; q/k rows
+    back from GGUF's interleaved order to rotate-half): what the reference computes with."""
+    import gguf
+    from gguf.quants import dequantize
+    H = c["num_attention_heads"]
+    KV = c.get("num_key_value_heads") or H
+    names = {v: k for k, v in _GGUF_GLOBAL.items()}
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        if t.name in names:
+            hf = names[t.name]
+        else:
+            _, i, rest = t.name.split(".", 2)
+            hf = f"model.layers.{i}." + next(k for k, v in _GGUF.items() if v == rest)
+        a = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
+        n = H if "q_proj" in hf else KV if "k_proj" in hf else None
+        if n:
+            a = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        out[hf] = a
+    return out

@@ -14,7 +14,7 @@ from kog_dist.checkpoint import Model
 from kog_dist.formats import FormatError, open_model
 from kog_dist.formats.gguf_file import _Reader, _gguf_name
 
-from hf_reference import (HFLlama, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
+from hf_reference import (HFLlama, k_quant_mix, llama3_rope_factors, random_hf_tensors, tiny_hf_config,
                           write_gguf, write_hf_dir)
 from test_engine_llama import LLAMA3, NEW, PROMPT, assert_same, run_ours
 
@@ -72,6 +72,37 @@ def test_engine_matches_reference_on_dequantized_weights(tmp_path, mix, tied):
     if mix != "f32":
         want = {"f16": None, "q8_0": "Q8_0", "q4_mix": "Q4_0"}[mix]
         assert src.quant_type("model.layers.0.feed_forward.w1.weight") == want
+    m = Model(src, progress=False)
+    assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
+    m.close()
+
+
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_k_quant_mix_matches_reference_on_dequantized_weights(tmp_path, ftype, tied):
+    """A llama.cpp-like Q4_K_M / Q5_K_M file (our K-quant encoder): the types llama.cpp would choose,
+    and ours on the file vs the HF-style reference on gguf's dequantization of the same blocks."""
+    c = tiny_hf_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                       num_hidden_layers=8, tie_word_embeddings=tied)
+    t = random_hf_tensors(c, 11)
+    path = str(tmp_path / f"{ftype}.gguf")
+    held = write_gguf(path, c, t, k_quant_mix(c, ftype))
+    types = {x.name: x.tensor_type.name for x in gguf.GGUFReader(path).tensors}
+    base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}[ftype]
+    more = {0, 3, 6, 7}                     # use_more_bits of 8 layers: the first and last eighth, every third
+    for i in range(8):
+        for n in ("attn_v", "ffn_down"):
+            assert types[f"blk.{i}.{n}.weight"] == ("Q6_K" if i in more else base), (i, n)
+        for n in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{n}.weight"] == base, (i, n)
+        assert types[f"blk.{i}.attn_norm.weight"] == "F32"
+    assert types["token_embd.weight"] == ("Q6_K" if tied else base)
+    assert types.get("output.weight") == (None if tied else "Q6_K")
+    w1 = t["model.layers.1.mlp.up_proj.weight"]
+    err = np.sqrt(np.mean((held["model.layers.1.mlp.up_proj.weight"] - w1) ** 2) / np.mean(w1 ** 2))
+    assert 0.005 < err < 0.08                 # quantized, and well
+    src = open_model(path)
+    assert src.quant_type("model.layers.3.attention.wv.weight") == "Q6_K"
     m = Model(src, progress=False)
     assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
     m.close()
@@ -135,6 +166,66 @@ def test_k_quants_and_bf16_dequantize_exactly(tmp_path, qtype):
         assert src.quant_type("model.layers.0.feed_forward.w1.weight") == qtype.name
 
 
+IQ4NL_TABLE = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]   # ggml's kvalues_iq4nl
+
+
+def test_iq_and_other_dequantized_only_types_load(tmp_path, capsys):
+    """The i-quants, ternary and FP4 types load dequantized (gguf's dequantizer, what transformers
+    computes with): a hand-made IQ4_NL block gives d * table[q] (low nibbles the first 16 values), random
+    blocks of every such type read back as gguf decodes them, and an IQ4_NL model decodes as the
+    reference does on those values."""
+    from kog_dist.formats.quant import DEQUANTIZED_ONLY
+    assert {Q.IQ4_NL, Q.IQ2_XXS, Q.TQ2_0, Q.MXFP4} <= set(DEQUANTIZED_ONLY)
+    q = np.arange(32, dtype=np.uint8) % 16
+    block = np.concatenate([np.float16(0.25).reshape(1).view(np.uint8), q[:16] | (q[16:][::-1] << 4)])
+    want = 0.25 * np.array(IQ4NL_TABLE + IQ4NL_TABLE[::-1], np.float32)
+    assert np.array_equal(dequantize(block[None], Q.IQ4_NL)[0], want)
+    c = tiny_hf_config(hidden_size=256, num_attention_heads=4, intermediate_size=256, num_hidden_layers=1)
+    t = random_hf_tensors(c, 3)
+    rng = np.random.default_rng(1)
+    for qt in DEQUANTIZED_ONLY:
+        t2 = dict(t)
+        del t2["model.layers.0.mlp.gate_proj.weight"]
+        path = str(tmp_path / f"{qt.name}.gguf")
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        # bytes below 0x3C: every fp16 / e8m0 / ue4m3 scale among them is finite, whatever the layout
+        blocks = rng.integers(0, 0x3C, size=(256, 256 // bs * ts), dtype=np.uint8)
+        write_gguf(path, c, t2, extra_tensors={"blk.0.ffn_gate.weight": (blocks, qt)})
+        capsys.readouterr()
+        src = open_model(path)
+        note = capsys.readouterr().err.strip().splitlines()
+        assert len(note) == 1 and f"{qt.name} tensors are not kept quantized" in note[0]
+        g = {x.name: x for x in gguf.GGUFReader(path).tensors}["blk.0.ffn_gate.weight"]
+        mine = src.tensor("model.layers.0.feed_forward.w1.weight")[0]
+        assert src.quant_type("model.layers.0.feed_forward.w1.weight") == qt.name
+        assert np.array_equal(mine, dequantize(g.data, qt)) and np.isfinite(mine).all() and mine.any(), qt.name
+    path = str(tmp_path / "iq4nl_model.gguf")
+    c = tiny_hf_config(hidden_size=256, num_attention_heads=4, intermediate_size=512, num_hidden_layers=2)
+    t = random_hf_tensors(c, 4)
+    ffn = {}
+    for i in range(2):
+        w = t.pop(f"model.layers.{i}.mlp.up_proj.weight")
+        ffn[f"blk.{i}.ffn_up.weight"] = (_iq4nl_encode(w), Q.IQ4_NL)
+    held = write_gguf(path, c, t, extra_tensors=ffn)
+    r = {x.name: x for x in gguf.GGUFReader(path).tensors}
+    for i in range(2):
+        held[f"model.layers.{i}.mlp.up_proj.weight"] = dequantize(r[f"blk.{i}.ffn_up.weight"].data, Q.IQ4_NL)
+    m = Model(open_model(path), progress=False)
+    assert_same(run_ours(m), HFLlama(c, held).greedy(PROMPT, NEW))
+    m.close()
+
+
+def _iq4nl_encode(w):
+    """A plain IQ4_NL encoding (per 32 values: d = max|x| / 127, the nearest table entry): gguf cannot
+    write this type."""
+    x = w.reshape(-1, 32)
+    d = (np.abs(x).max(1) / 127).astype(np.float16)
+    idx = np.abs(x[:, :, None] / np.maximum(d.astype(np.float32), 1e-12)[:, None, None]
+                 - np.array(IQ4NL_TABLE, np.float32)).argmin(-1).astype(np.uint8)
+    qs = idx[:, :16] | (idx[:, 16:] << 4)
+    return np.concatenate([d.reshape(-1, 1).view(np.uint8), qs], 1).reshape(w.shape[0], -1)
+
+
 def test_llama3_rope_freqs_tensor(tmp_path):
     """Llama 3.x GGUFs carry rope scaling as llama.cpp's rope_freqs.weight factors."""
     c = tiny_hf_config(rope_scaling=LLAMA3, rope_theta=500000.0)
@@ -180,14 +271,15 @@ def test_refusals(tmp_path):
     bad = tmp_path / "magic.gguf"
     bad.write_bytes(b"GGUX" + data[4:])
     _refused(str(bad), "not a GGUF file")
-    # a type we do not dequantize (an i-quant), named with the supported ones
+    # types gguf cannot dequantize (Q8_1 is ggml's scratch type; I32 holds no weights), named with the
+    # tensor and the supported ones
     t2 = dict(t)
     del t2["model.layers.0.mlp.up_proj.weight"]
-    bs, ts = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
-    iq = np.zeros((128, 64 // bs * ts), np.uint8)
-    p3 = str(tmp_path / "iq.gguf")
-    write_gguf(p3, c, t2, extra_tensors={"blk.0.ffn_up.weight": (iq, Q.IQ4_NL)})
-    _refused(p3, "IQ4_NL", "Q4_K", "Q8_0")
+    for qt in (Q.Q8_1, Q.I32):
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        p3 = str(tmp_path / f"{qt.name}.gguf")
+        write_gguf(p3, c, t2, extra_tensors={"blk.0.ffn_up.weight": (np.zeros((128, 64 // bs * ts), np.uint8), qt)})
+        _refused(p3, "blk.0.ffn_up.weight", f"type {qt.name}", "Q4_K", "IQ4_NL")
     t3 = dict(t)
     del t3["model.layers.2.self_attn.v_proj.weight"]
     p4 = str(tmp_path / "missing.gguf")

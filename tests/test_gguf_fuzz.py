@@ -152,10 +152,12 @@ def test_bad_tensor_offsets_and_types(good, tmp_path):
     refused(_patch(good, tmp_path, off_at, struct.pack("<Q", rel)), "overlap")
     refused(_patch(good, tmp_path, type_at, struct.pack("<I", 99)), "unknown GGML type", "99", "Q8_0")
     refused(_patch(good, tmp_path, type_at, struct.pack("<I", int(Q.F16))))        # a type of another size
-    # a type GGML has but this runtime does not dequantize, named with those it does
-    iq = np.zeros((C["intermediate_size"], C["hidden_size"] // 32 * 18), np.uint8)
-    p = write(str(tmp_path / "iq.gguf"), tensors={"blk.0.ffn_up.weight": (iq, Q.IQ4_NL)})
-    refused(p, "IQ4_NL", "Q8_0")
+    # a type GGML has but this runtime does not dequantize (gguf cannot: Q8_1 is ggml's scratch type;
+    # the i-quants load dequantized), named with those it does
+    bs, ts = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+    q81 = np.zeros((C["intermediate_size"], C["hidden_size"] // bs * ts), np.uint8)
+    p = write(str(tmp_path / "q81.gguf"), tensors={"blk.0.ffn_up.weight": (q81, Q.Q8_1)})
+    refused(p, "blk.0.ffn_up.weight", "Q8_1", "Q8_0", "IQ4_NL")
 
 
 def test_counts_and_lengths_out_of_range(good, tmp_path):

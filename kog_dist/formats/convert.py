@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 
-from ..checkpoint import ITEMSIZE, CheckpointReader, expected_tensors, save_safetensors
+from ..checkpoint import ITEMSIZE, CheckpointReader, expected_tensors, to_float32, write_safetensors_stream
 from ..progress import Progress
 from ..tokenizer import load_tokenizer
 from . import FormatError, open_model
@@ -36,32 +36,33 @@ def convert(src_path: str, dst_dir: str, dtype: str | None = None, progress: boo
         os.makedirs(dst_dir, exist_ok=True)
         cfg = src.cfg
         names = list(expected_tensors(cfg))
-        total = sum(int(np.prod(src.shape(n), dtype=np.int64)) * ITEMSIZE[dtype or src.dtype(n)] for n in names)
-        files, wmap, part, part_bytes = [], {}, {}, 0
+        dts = {n: dtype or src.dtype(n) for n in names}
+        sizes = {n: int(np.prod(src.shape(n), dtype=np.int64)) * ITEMSIZE[dts[n]] for n in names}
+        total = sum(sizes.values())
+        groups, size = [[]], 0
+        for n in names:                         # shards of about shard_bytes, planned before writing
+            if groups[-1] and size + sizes[n] > shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(n)
+            size += sizes[n]
 
-        def flush():
-            nonlocal part, part_bytes
-            if part:
-                fname = f"model-{len(files) + 1:05d}.safetensors"
-                save_safetensors(os.path.join(dst_dir, fname), part, {"format": "pt"})
-                files.append(fname)
-                wmap.update({n: fname for n in part})
-                part, part_bytes = {}, 0
+        def produce(n):                         # one tensor at a time: a big model never sits in memory
+            bits, dt = src.raw(n)
+            if dt != dts[n]:
+                bits = to_float32(bits, dt)
+            return bits.reshape(src.shape(n))
 
         if progress is None:
             progress = total > (256 << 20)
+        files, wmap = [], {}
         with Progress("converting", total, enabled=progress) as bar:
-            for n in names:
-                bits, dt = src.raw(n)
-                if dtype is not None and dtype != dt:
-                    bits, dt = src.tensor(n), dtype
-                part[n] = (bits, dt)
-                nb = int(np.prod(bits.shape, dtype=np.int64)) * ITEMSIZE[dt]
-                part_bytes += nb
-                bar.advance(nb)
-                if part_bytes >= shard_bytes:
-                    flush()
-            flush()
+            for g in groups:
+                fname = f"model-{len(files) + 1:05d}.safetensors"
+                write_safetensors_stream(os.path.join(dst_dir, fname), [(n, dts[n], src.shape(n)) for n in g],
+                                         produce, {"format": "pt"}, bar.advance)
+                files.append(fname)
+                wmap.update({n: fname for n in g})
         files = _name_shards(dst_dir, files, wmap)
         d = cfg.to_dict()
         d["model_type"] = "laneformer_tp"

@@ -8,6 +8,7 @@ permuted them), so nothing is permuted here.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
@@ -15,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from ..checkpoint import expected_tensors, is_lane_first
 from ..config import ConfigError, LaneformerConfig
 from .base import FormatError, ModelSource, select
-from .quant import SUPPORTED_NAMES, served_dtype, storage_bits, supported
+from .quant import DEQUANTIZED_ONLY, SUPPORTED_NAMES, served_dtype, storage_bits, supported
 
 GGUF_MAGIC = b"GGUF"
 
@@ -132,6 +133,10 @@ class GGUFSource(ModelSource):
                                   f"{list(shape[1:] if lane else shape)}")
             self._shapes[name] = shape
             self._dtypes[name] = served_dtype(t.tensor_type)
+        only = sorted({t.tensor_type.name for t in self._t.values() if t.tensor_type in DEQUANTIZED_ONLY})
+        if only:
+            print(f"[kog] {os.path.basename(path)}: {', '.join(only)} tensors are not kept quantized by any "
+                  f"backend; they load dequantized", file=sys.stderr, flush=True)
 
     def quant_type(self, name: str) -> str | None:
         t = self._t[name]

@@ -8,12 +8,18 @@ from gguf.quants import quantize
 
 # Served as they are stored (no conversion): GGML type -> the dtype name raw() reports.
 PLAIN = {GGMLQuantizationType.F32: "F32", GGMLQuantizationType.F16: "F16", GGMLQuantizationType.BF16: "BF16"}
-# Dequantized to float32 when read (gguf's numpy dequantizer is exact for these; the i-quants and
-# ternary types are left out until a model needs them).
+# Dequantized to float32 when read, by gguf's numpy dequantizer (exact for these: a port of ggml's
+# dequantize_row_*, and what transformers' GGUF loader computes with).
 QUANTIZED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
              GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
              GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
              GGMLQuantizationType.Q6_K)
+# The i-quants, ternary and FP4 types: loaded the same way, never kept quantized by a backend (the cuda
+# one says so in a line and stores them as BF16). Those of this gguf version only.
+DEQUANTIZED_ONLY = tuple(getattr(GGMLQuantizationType, n) for n in (
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
+    "MXFP4", "NVFP4") if hasattr(GGMLQuantizationType, n))
+QUANTIZED = QUANTIZED + DEQUANTIZED_ONLY
 SUPPORTED_NAMES = tuple(t.name for t in (*PLAIN, *QUANTIZED))
 
 
