@@ -2,16 +2,16 @@
 # Issue 52 on the GPU machine, one call: the K-quant GPU tests, then `kog bench` rows of every storage of the
 # llama3.1-8b and llama3.2-1b shapes (random weights made on the device; copy bandwidth measured in the same
 # run). From the repo root with the wheels in .whl (../shared/tools/device-wheels.sh gguf==0.19.0
-# starlette==1.10.0 uvicorn==0.54.0). STEPS picks steps (default "tests prebuild 8b 1b"); DT8 / DT1 the
+# starlette==1.10.0 uvicorn==0.54.0). STEPS picks steps (default "tests prebuild 8b real8b 1b"; also "ab"); DT8 / DT1 the
 # --dtype lists; logs and JSON reports under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kquant_gpu}
 mkdir -p "$OUT"
 DT8=${DT8:-bf16,q4_0,q4_k,q4_k_m,q6_k}
-DT1=${DT1:-bf16,q8_0,q4_0,q4_1,q4_k,q4_k_m,q5_k_m,q6_k}
+DT1=${DT1:-bf16,q4_0,q4_k,q4_k_m,q6_k}
 BENCH="python3 -m kog_cli bench --reps 3 --gen 256 --pp 512 --ctx 0 --baselines none --json"
 echo "commit $(git describe --always --dirty 2>/dev/null); $(nvidia-smi -L | head -1)" | tee "$OUT/summary.txt"
-for step in ${STEPS:-tests prebuild 8b 1b}; do case $step in
+for step in ${STEPS:-tests prebuild 8b real8b 1b}; do case $step in
 tests)    timeout 240 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_cuda_kquant.py \
             "tests/test_cuda_llama.py::test_quantized_greedy_matches_numpy_engine" > "$OUT/tests.txt" 2>&1
           tail -3 "$OUT/tests.txt" | tee -a "$OUT/summary.txt" ;;
@@ -29,6 +29,11 @@ PY
           tail -4 "$OUT/bench_8b.log" | tee -a "$OUT/summary.txt" ;;
 1b)       timeout 240 $BENCH --shape llama3.2-1b --dtype "$DT1" > "$OUT/bench_1b.json" 2> "$OUT/bench_1b.log"
           tail -4 "$OUT/bench_1b.log" | tee -a "$OUT/summary.txt" ;;
+real8b)   # a Q4_K_M file of the llama3.1-8b shape (kog checkpoint tiny's llama.cpp mix), loaded as stored
+          python3 -m kog_cli checkpoint tiny /tmp/l8-q4km.gguf --shape llama3.1-8b --format gguf --dtype q4_k_m \
+            > "$OUT/real8b_write.log" 2>&1
+          timeout 200 $BENCH --model /tmp/l8-q4km.gguf > "$OUT/bench_real8b.json" 2> "$OUT/bench_real8b.log"
+          tail -4 "$OUT/bench_real8b.log" | tee -a "$OUT/summary.txt"; rm -f /tmp/l8-q4km.gguf ;;
 ab)       for q in ${QUBS:-12 16}; do   # loads in flight a lane in the quantized row loops (CFG_QUB; default 8)
             timeout 150 $BENCH --shape llama3.1-8b --dtype "${DTAB:-q4_k_m}" --define CFG_QUB=$q \
               > "$OUT/bench_ab_qub$q.json" 2> "$OUT/bench_ab_qub$q.log"
@@ -37,7 +42,7 @@ ab)       for q in ${QUBS:-12 16}; do   # loads in flight a lane in the quantize
 esac; done
 python3 - "$OUT" <<'PY'
 import json, os, sys
-for f in ("bench_8b.json", "bench_1b.json"):
+for f in ("bench_8b.json", "bench_real8b.json", "bench_1b.json"):
     p = os.path.join(sys.argv[1], f)
     if not os.path.exists(p) or not os.path.getsize(p):
         continue
