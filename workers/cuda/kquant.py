@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kog_dist.formats.gguf_write import use_more_bits   # llama.cpp's layers with more bits
+
 KTYPES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}           # kquant.cuh KT_*
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # GGML's super-block of 256 weights
 REC = 20                                             # kquant.cuh KREC
@@ -36,11 +38,6 @@ def type_mask(name: str) -> int:
 def bytes_per_weight(t: str) -> float:
     """Bytes streamed a weight of type t in this layout (the file's: 144 / 176 / 210 per 256)."""
     return 0.5 + (0.25 if t != "Q4_K" else 0.0) + REC / 256
-
-
-def use_more_bits(i: int, n: int) -> bool:
-    """llama.cpp's choice of the layers that get Q6_K in a Q4_K_M / Q5_K_M file (llama-quant.cpp)."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def layer_types(name: str, i: int, n: int) -> dict[str, str]:
