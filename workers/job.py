@@ -17,7 +17,7 @@ from kccl.shm import unlink_mpich_segments
 from kog_dist.control_auth import CurveKeys, check_endpoint
 from kog_dist.coordinator import Coordinator
 from kog_dist.formats import open_model
-from kog_dist.models import resolve_model
+from kog_dist.models import model_id, resolve_model
 from kog_dist.tokenizer import load_tokenizer
 from launch.discovery import require_single_node
 from topology.place import place_rank
@@ -222,7 +222,8 @@ def _serve(a, src, cfg, backend, comm, hb=None) -> int:
                             speculative=a.speculative,
                             session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions,
                             queue_share=a.client_queue)
-        coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve
+        # `health` tells gateways what they serve: the file's or folder's name, not GGUF's general.name
+        coord.model_name = model_id(src.path) if getattr(src, "path", None) else getattr(src, "name", None)
         rc = coord.serve()
         if hb is not None and hb.lost:
             # a frozen rank: the clients were told; the decode thread may still wait in kccl on it, so

@@ -25,6 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from kog_dist.aclient import AsyncClient, ClientTimeout, ServerError, ServerGone
+from kog_dist.models import model_id
 
 from . import openai_api as O
 from .metrics import Metrics
@@ -35,10 +36,9 @@ GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}    # p
 
 
 def served_name(model: str) -> str:
-    """The id clients use for a model path or name: its last part, without a .gguf suffix (not any
-    suffix: qwen2.5-0.5b keeps its dots)."""
-    base = os.path.basename(os.path.normpath(model)) or model
-    return base[:-5] if base.lower().endswith(".gguf") else base
+    """The id clients use for a model path or name: kog_dist.models.model_id (the file's or folder's name,
+    without .gguf and its quantisation tag; qwen2.5-0.5b keeps its dots)."""
+    return model_id(model)
 
 
 def _json(obj) -> bytes:
