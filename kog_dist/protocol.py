@@ -14,6 +14,7 @@ import socket
 
 import msgpack
 
+from .grammar import GrammarError, check_format
 from .sampling import MAX_TEMPERATURE, MAX_TOP_K
 from .speculative import MAX_DRAFT
 
@@ -197,6 +198,16 @@ def _generate(msg, out):
     out["stop_ids"] = _ids(msg, "stop_ids", MAX_STOP_IDS) if "stop_ids" in msg else []
     if "speculative" in msg:
         out["speculative"] = _speculative(msg["speculative"])
+    if "response_format" in msg:
+        try:
+            fmt = check_format(msg["response_format"])
+        except GrammarError as e:
+            raise ProtocolError("bad_request", str(e)) from None
+        if fmt is not None:
+            if out["stop"]:
+                raise ProtocolError("bad_request", "stop cannot be combined with response_format (a stop string "
+                                                   "could cut the object short)")
+            out["response_format"] = fmt
 
 
 def _speculative(v) -> int:
@@ -240,7 +251,8 @@ OPS = {
     "stats": ((), None),
     "shutdown": (("secret",), lambda m, o: o.update(secret=_str(m, "secret", MAX_SECRET)) if "secret" in m else None),
     "generate": (("prompt", "prompt_ids", "messages", "add_bos", "session", "max_new_tokens", "temperature",
-                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative", "quiet"), _generate),
+                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative", "quiet",
+                  "response_format"), _generate),
     "open": (("ttl_s", "owner"), _open),
     "append": (("session", "prompt", "prompt_ids", "add_bos", "owner"), _append),
     "close": (("session", "owner"), lambda m, o: _session(m, o, required=True)),

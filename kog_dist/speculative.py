@@ -18,6 +18,15 @@ from .sampling import SamplingParams, sample
 
 MAX_DRAFT = 8
 MAX_NGRAM = 4
+# The draft length a command uses when not told (`--speculative` of kog generate / chat / serve / kog-worker),
+# by backend: on where it is lossless (always) and measured not slower on free text (BENCHMARKS.md, "Structured
+# outputs (issue 55)" has the cpu row that decided it).
+DEFAULT_DRAFT = {"cpu": 0, "cuda": MAX_DRAFT}
+
+
+def default_draft(backend: str) -> int:
+    """The default draft length for a backend kind ("cpu", "cuda"; anything else: off)."""
+    return DEFAULT_DRAFT.get(backend, 0)
 
 
 @dataclass(frozen=True)

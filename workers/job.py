@@ -18,6 +18,7 @@ from kog_dist.control_auth import CurveKeys, check_endpoint
 from kog_dist.coordinator import Coordinator
 from kog_dist.formats import open_model
 from kog_dist.models import model_id, resolve_model
+from kog_dist.speculative import default_draft
 from kog_dist.tokenizer import load_tokenizer
 from launch.discovery import require_single_node
 from topology.place import place_rank
@@ -64,6 +65,8 @@ def run(a) -> int:
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
     everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
     kind, note = choose(a.backend, size, here, everywhere, cfg)
+    if a.speculative is None:      # not given: the backend's default (kog_dist.speculative.DEFAULT_DRAFT)
+        a.speculative = default_draft(kind)
     if note and rank == 0:
         log(note)
     placed = _place(a, info, use_gpus=kind == "cuda")   # before the buffers below, so they are near the rank
@@ -244,7 +247,7 @@ def _oneshot(a, src, cfg, backend, comm, kind) -> int:
     tok = load_tokenizer(src)
     group = RankGroup(backend, comm)
     try:
-        ids, cmd = build_request(req, cfg, tok)
+        ids, cmd = build_request(req, cfg, tok, kind)
         res = group.run(cmd)
     finally:
         group.close()
