@@ -125,12 +125,22 @@ def compile_format(fmt, tokenizer) -> Grammar:
         raise GrammarError("response_format text needs no grammar")
     src = grammar_source(fmt)
     lt = ll_tokenizer(tokenizer)
+    _validate(fmt, src, lt)
+    return Grammar(fmt, src, lt, getattr(tokenizer, "vocab_size", lt.vocab_size))
+
+
+def check_schema(schema) -> None:
+    """A JSON Schema that llguidance can enforce, checked without a tokenizer (tool parameters); GrammarError."""
+    fmt = check_format({"type": "json_schema", "schema": schema})
+    _validate(fmt, grammar_source(fmt), None)
+
+
+def _validate(fmt, src, lt) -> None:
     is_err, msgs = _llg().LLMatcher.validate_grammar_with_warnings(src, lt)
     if is_err:     # llguidance names what it cannot enforce ("Unimplemented keys: [...]") rather than drop it
         msg = _line(msgs[0] if msgs else "rejected")
         what = "unsupported JSON Schema feature" if msg.startswith("Unimplemented keys") else "invalid"
         raise GrammarError(f"{what} in the {fmt['type'].replace('_', ' ')}: {msg}")
-    return Grammar(fmt, src, lt, getattr(tokenizer, "vocab_size", lt.vocab_size))
 
 
 def apply_bitmask(logits: np.ndarray, bits: np.ndarray) -> np.ndarray:

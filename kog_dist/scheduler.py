@@ -23,6 +23,7 @@ from .grammar import GrammarError, compile_format
 from .protocol import ProtocolError
 from .sampling import SamplingParams
 from .textstream import TextStream, find_stop
+from .tools import chat_text
 
 
 @dataclass(eq=False)
@@ -168,7 +169,7 @@ class Scheduler:
         text_prompt = "prompt" in req
         if "messages" in req:
             try:
-                new_ids = [int(t) for t in _encode_chat(self.tokenizer, req["messages"])]
+                new_ids = [int(t) for t in _encode_chat(self.tokenizer, req["messages"], req.get("tools"))]
             except ValueError as e:
                 raise ProtocolError("bad_request", f"cannot render the messages: {e}"[:200]) from None
         elif text_prompt:
@@ -413,15 +414,12 @@ class Scheduler:
                           "evictions": c["evictions"]}}
 
 
-def _encode_chat(tokenizer, messages):
+def _encode_chat(tokenizer, messages, tools=None):
     """The ids of a chat rendered with the model's template (the tokenizer's own BOS setting, never
-    doubled). A tokenizer without a template gets ChatML written as plain text, the fallback that
-    Hugging Face tokenizers used as their default template (docs/protocol.md)."""
-    if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    else:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        text += "<|im_start|>assistant\n"
+    doubled), tools and tool turns included (kog_dist.tools.chat_text). A tokenizer without a template gets
+    ChatML written as plain text, the fallback that Hugging Face tokenizers used as their default template
+    (docs/protocol.md)."""
+    text = chat_text(tokenizer, messages, tools)
     try:
         return tokenizer.encode(text, add_bos=None)
     except TypeError:

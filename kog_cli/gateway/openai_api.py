@@ -164,6 +164,8 @@ def completion_request(body: dict, max_seq: int) -> dict:
         raise bad("prompt must be one string or one list of token ids (batches are not supported)", "prompt")
     else:
         raise bad("prompt is required: a string or a list of token ids", "prompt")
+    if body.get("tools") not in (None, []):
+        raise bad("tools are for /v1/chat/completions (the chat template renders them)", "tools")
     msg.update(sampling(body, max_seq, 16))   # OpenAI's default max_tokens for completions
     return msg
 
@@ -185,6 +187,7 @@ def _content(m, i) -> str:
 
 
 def chat_request(body: dict, max_seq: int) -> dict:
+    from . import tools_api as T     # here: it builds on this module
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages is required: a non-empty list of {role, content} objects", "messages")
@@ -195,9 +198,12 @@ def chat_request(body: dict, max_seq: int) -> dict:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"[:160], "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+        out.append(T.history(m, i, _content(m, i)))
     msg = {"op": "generate", "messages": out}
     msg.update(sampling(body, max_seq, None))
+    p = T.plan(body, msg)          # tools: rendered by the template; "required" / a name: the call's grammar
+    if p is not None:
+        msg["_tools"] = p          # the gateway's, taken off before the message is sent
     return msg
 
 
