@@ -2,8 +2,10 @@
 tokenizer (SmolLM2-135M-Instruct, 49152 tokens): for each token of a valid JSON answer, compute the next-token
 bitmask, apply it to a float32 logits row, and advance the matcher by the token. Prints the medians and p90s in
 microseconds, the one-time costs (the tokenizer's and the grammar's compile), and the same for {"type": "json_object"}.
+With --decode N: the cpu backend's decode tokens/s on the model itself, a greedy answer under the schema against the
+same number of tokens unconstrained, alternated N times (medians), and the host's mask time a token inside it.
 
-    python3 bench/grammar_mask.py [--model FILE.gguf] [--reps 20]
+    python3 bench/grammar_mask.py [--model FILE.gguf] [--reps 20] [--decode 5]
 """
 from __future__ import annotations
 
@@ -54,9 +56,8 @@ def llguidance_run(tok, ids, schema, reps):
             t0 = time.perf_counter()
             m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             t1 = time.perf_counter()
-            x = logits.copy()
             t1b = time.perf_counter()
-            apply_bitmask(x, mask)
+            x = apply_bitmask(logits, mask)
             t2 = time.perf_counter()
             assert (mask[i >> 5] >> (i & 31)) & 1, f"token {i} masked out"
             assert m.consume_token(i), m.get_error()
@@ -91,9 +92,8 @@ def xgrammar_run(tok, ids, schema, reps):
             t0 = time.perf_counter()
             m.fill_next_token_bitmask(mask)
             t1 = time.perf_counter()
-            x = logits.copy()
             t1b = time.perf_counter()
-            apply_bitmask(x, mask.numpy()[0])
+            x = apply_bitmask(logits, mask.numpy()[0])
             t2 = time.perf_counter()
             assert m.accept_token(i), f"token {i} refused"
             t3 = time.perf_counter()
@@ -103,15 +103,43 @@ def xgrammar_run(tok, ids, schema, reps):
     return t_tok, compile_ms, fill, apply_, adv
 
 
+def decode_cost(model, tok, reps, n_max=96):
+    """(tokens/s plain, tokens/s constrained, mask us a token, tokens, paired ratios) on the cpu backend: both
+    decode n_max tokens (the schema's answer is longer than that), medians of reps."""
+    from kog_dist.backend import RunCommand
+    from kog_dist.formats import open_model
+    from kog_dist.grammar import compile_format
+    from workers.factory import make_backend
+    backend, _ = make_backend("cpu", open_model(model), max_seq=1024, num_slots=1, dtype=None)
+    g = compile_format({"type": "json_schema", "schema": SCHEMA}, tok)
+    ids = tok.encode_chat([{"role": "user", "content": "Describe Ada Lovelace as JSON: name, age, email, tags, "
+                                                       "address (city, zip) and whether she is active."}])
+    plain, constrained, mask_us, n = [], [], [], 0
+    for i in range(reps):     # alternated, each first in turn: a load that comes and goes falls on both
+        for kind in (("g", "p") if i % 2 == 0 else ("p", "g")):
+            if kind == "g":
+                r = backend.run(RunCommand(slot=0, keep=0, append=ids, max_new_tokens=n_max, grammar=g.matcher()))
+                n = len(r.token_ids)
+                constrained.append(r.decode_tokens_per_s)
+                mask_us.append(r.grammar_ms * 1e3 / n)
+            else:
+                r = backend.run(RunCommand(slot=0, keep=0, append=ids, max_new_tokens=n_max), ignore_eos=True)
+                plain.append(r.decode_tokens_per_s)
+    ratios = sorted(c / p for c, p in zip(constrained, plain))
+    return statistics.median(plain), statistics.median(constrained), statistics.median(mask_us), n, ratios
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--decode", type=int, default=0, metavar="N", help="also the decode tokens/s, N alternated runs")
     a = ap.parse_args()
     from kog_dist.formats import open_model
     from kog_dist.models import resolve_model
     from kog_dist.tokenizer import load_tokenizer
-    tok = load_tokenizer(open_model(resolve_model(a.model)))
+    model = resolve_model(a.model)
+    tok = load_tokenizer(open_model(model))
     rows = []
     for label, schema in (("json_schema", SCHEMA), ("json_object", None)):
         text = json.dumps(ANSWER)
@@ -132,6 +160,11 @@ def main():
         print(f"| {r['schema']} | {r['library']} | {r['tokenizer_s']} | {r['compile_ms']} | {r['mask_us_p50']} / "
               f"{r['mask_us_p90']} | {r['apply_us_p50']} | {r['advance_us_p50']} | {r['total_us_p50']} / "
               f"{r['total_us_p90']} |")
+    if a.decode:
+        p, c, us, n, ratios = decode_cost(model, tok, a.decode)
+        print(f"\ncpu backend, greedy, {n} tokens, medians of {a.decode}: plain {p:.1f} tok/s, under the schema "
+              f"{c:.1f} tok/s ({c / p:.3f}x; paired ratios {', '.join(f'{x:.3f}' for x in ratios)}), the host's "
+              f"mask {us:.0f} us a token")
 
 
 if __name__ == "__main__":

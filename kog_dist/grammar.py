@@ -144,10 +144,10 @@ def _validate(fmt, src, lt) -> None:
 
 
 def apply_bitmask(logits: np.ndarray, bits: np.ndarray) -> np.ndarray:
-    """Set logits[i] to -inf where bit i of the packed int32 mask is 0 (in place; returns logits)."""
+    """A copy of logits (its dtype) with -inf where bit i of the packed int32 mask is 0: one pass to unpack the
+    bits, one to write the row."""
     allowed = np.unpackbits(bits.view(np.uint8), bitorder="little", count=logits.shape[-1]).view(bool)
-    np.putmask(logits, ~allowed, -np.inf)
-    return logits
+    return np.where(allowed, logits, logits.dtype.type(-np.inf))
 
 
 class Matcher:
@@ -165,9 +165,9 @@ class Matcher:
         """A masked copy of one row of logits (its own dtype): only the tokens the grammar allows stay."""
         t = time.perf_counter()
         self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
-        out = apply_bitmask(np.array(logits, copy=True), self.bits)
-        if not np.isfinite(out).any():       # nothing allowed: only a broken grammar gets here
+        if not self.bits.any():              # nothing allowed: only a broken grammar gets here
             raise GrammarError(f"the grammar allows no token: {_line(self.m.get_error() or 'dead end')}")
+        out = apply_bitmask(np.asarray(logits), self.bits)
         self.mask_s += time.perf_counter() - t
         self.tokens += 1
         return out
