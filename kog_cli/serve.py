@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the running one (429 after)")
     p.add_argument("--speculative", type=int, default=None, metavar="K",
                    help="prompt-lookup speculative decoding with up to K (0..8; 0 = off) draft tokens for requests "
-                        "that do not say (default: the backend's, 0 on cpu and 8 on cuda; a request's "
+                        "that do not say (default: the backend's, off today on cpu and cuda; a request's "
                         "\"speculative\" field overrides)")
     p.add_argument("--bind", choices=("none", "cores", "numa"), default=None,
                    help="rank CPU binding (default: none for --np 1, cores otherwise)")

@@ -133,7 +133,9 @@ def test_speculative_extension_keeps_the_greedy_text(server, client):
     """`speculative` (our extension of the body) gives the same greedy text; its accepted drafts are
     in the stats and in /metrics."""
     prompt = "abcabcabcabcabcabc"
-    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"speculative": False})
+    assert plain.model_extra["kog_stats"]["spec_steps"] == 0
     spec = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
                                      extra_body={"speculative": {"method": "prompt_lookup", "k": 8}})
     assert spec.choices[0].text == plain.choices[0].text
@@ -143,6 +145,10 @@ def test_speculative_extension_keeps_the_greedy_text(server, client):
     drafted = int(next(line.split()[1] for line in text.splitlines()
                        if line.startswith("kog_speculative_draft_tokens_total")))
     assert drafted >= st["spec_drafted"] > 0
+    assert st["spec_tokens_per_pass"] == round((st["spec_steps"] + st["spec_accepted"]) / st["spec_steps"], 3) >= 1
+    per_pass = float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("kog_speculative_tokens_per_pass")))
+    assert per_pass >= 1.0
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
                                                          "speculative": {"k": 99}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
