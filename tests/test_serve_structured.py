@@ -111,3 +111,58 @@ def test_bad_response_format_shapes_are_400(client):
     with pytest.raises(openai.BadRequestError, match="stop cannot be combined"):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, stop=["}"],
                                        response_format={"type": "json_object"})
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """`python -m workers` (one rank, cpu) on a free port, driven by kog_dist.Client over the ZMQ protocol."""
+    import subprocess
+    import sys
+    import time
+
+    from kog_dist import Client
+    from launch.cli import free_port
+    from serve_helpers import ENV, REPO_ROOT
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    p = subprocess.Popen([sys.executable, "-m", "workers", "--model", SMOL_GGUF, "--backend", "cpu", "--bind", "none",
+                          "--control", endpoint, "--max-seq", "1024"], env=ENV, cwd=REPO_ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with Client(endpoint, timeout=120) as c:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    c.health()
+                    break
+                except (TimeoutError, ConnectionError):
+                    assert p.poll() is None and time.monotonic() < deadline, "the worker did not come up"
+            yield c
+    finally:
+        p.terminate()
+        assert p.wait(30) == 0
+
+
+def test_protocol_response_format_json_schema_and_lark(worker):
+    from kog_dist.client import ServerError
+    prompt = "Paris, as JSON with its city, country, population in millions and whether it is a capital:"
+    r = worker.generate(prompt, max_new_tokens=120, response_format={"type": "json_schema", "schema": CITY})
+    assert r.stop_reason == "eos" and _valid(r.text, CITY), r.text
+    assert r.stats["grammar_us_per_token"] > 0 and r.stats["spec_steps"] == 0
+    # each request its own grammar: a Lark one (llguidance's dialect) for the next
+    r = worker.generate("Answer yes or no: is Paris in France?", max_new_tokens=8,
+                        response_format={"type": "lark", "grammar": 'start: ("yes" | "no") "."'})
+    assert r.text in ("yes.", "no.") and r.stop_reason == "eos", r.text
+    for fmt, words in (({"type": "json_schema", "schema": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+                       ({"type": "xml"}, "response_format type"),
+                       ({"type": "lark", "grammar": "start: undefined_rule"}, "undefined_rule")):
+        with pytest.raises(ServerError) as e:
+            worker.generate("x", max_new_tokens=4, response_format=fmt)
+        assert e.value.code == "bad_request" and words in str(e.value), str(e.value)
+
+
+def test_a_grammar_never_goes_on_the_wire():
+    """Several ranks would each need the matcher's state: the command refuses to be sent (one line), so a
+    constrained request to a multi-rank job is a bad_request, not a desynchronised decode."""
+    from kog_dist.backend import RunCommand
+    with pytest.raises(ValueError, match="one rank"):
+        RunCommand(append=[1], grammar=object()).to_wire()
