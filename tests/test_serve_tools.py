@@ -44,6 +44,9 @@ def _check(call, name=None):
 
 
 def test_required_gives_a_valid_call(client):
+    # left to itself (auto) the 135M model answers in prose and JSON of its own, no call: the call below is the grammar's
+    auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0)
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason != "tool_calls"
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                        max_tokens=80, temperature=0)
     c = r.choices[0]
