@@ -145,7 +145,11 @@ def main():
         text = json.dumps(ANSWER)
         ids = tok.encode(text, add_bos=False)
         for lib, fn in (("llguidance", llguidance_run), ("xgrammar", xgrammar_run)):
-            t_tok, comp, fill, apply_, adv = fn(tok, ids, schema, a.reps)
+            try:
+                t_tok, comp, fill, apply_, adv = fn(tok, ids, schema, a.reps)
+            except ImportError as e:     # xgrammar (and the torch / transformers it needs) is not a dependency
+                print(f"{lib}: not installed ({e}); pip install {lib} to compare", file=sys.stderr)
+                continue
             us = lambda xs, q: pct(xs, q) * 1e6
             tot = [f + p + v for f, p, v in zip(fill, apply_, adv)]
             rows.append(dict(schema=label, library=lib, tokens=len(ids), tokenizer_s=round(t_tok, 2),
