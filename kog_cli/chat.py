@@ -39,8 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-seq", type=int, default=None)
     p.add_argument("--dtype", default=None, help="storage of the layer matrices (as kog generate --dtype)")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="prompt-lookup speculative decoding, up to K (0..8) draft tokens (default 0: off)")
+    p.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding, up to K (0..8; 0 = off) draft tokens (default: the "
+                        "backend's, off today on cpu and cuda)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server")
     p.add_argument("--server-key", help="with --connect: the server's CURVE public key file")
     p.add_argument("--client-key", help="with --connect: this client's CURVE secret key file")

@@ -15,6 +15,7 @@ from kog_dist.formats.convert import convert
 from kog_dist.formats.gguf_write import GGUF_DTYPES
 from kog_dist.models import resolve_model
 from kog_dist.shapes import SHAPES
+from kog_dist.speculative import DEFAULT_DRAFT, MAX_DRAFT
 from kog_dist.tiny import write_tiny_checkpoint
 from workers.oneshot import emit
 
@@ -82,6 +83,12 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="storage of the layer matrices: bf16, fp16, fp32, q8_0, q4_0, "
                    "q4_1 (default: the model's own; quantized GGUF blocks as stored)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="decode under this JSON Schema (structured outputs): the text always parses and validates, "
+                        "or the stop is `length`")
+    p.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding with up to K draft tokens, 0..8 (0 = off; default: "
+                        f"{', '.join(f'{k} on {b}' for b, k in DEFAULT_DRAFT.items())}): lossless, the same tokens")
     return p
 
 
@@ -94,6 +101,10 @@ def cmd_generate(argv) -> int:
     a.model = resolve_model(a.model)
     a.prompt_ids = parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
     a.stop_ids = parse_ids(a.stop_ids, "--stop-ids")
+    if a.speculative is not None and not 0 <= a.speculative <= MAX_DRAFT:
+        raise UsageError(f"--speculative must be 0..{MAX_DRAFT} draft tokens, got {a.speculative}")
+    if a.json_schema is not None and a.nranks > 1:
+        raise UsageError("--json-schema runs on one rank in this build (structured outputs): leave out --np")
     if a.nranks > 1:
         return run_under_mpiexec(a)
     out = generate_one_process(a)

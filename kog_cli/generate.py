@@ -20,8 +20,8 @@ from workers.oneshot import build_request, check_rank_count, result_json
 def generate_one_process(a) -> dict:
     src = open_model(a.model)
     tok = load_tokenizer(src)
-    ids, cmd = build_request(a, src.cfg, tok)     # refuse bad input before any weight is read
     kind = resolve(a.backend)
+    ids, cmd = build_request(a, src.cfg, tok, kind)     # refuse bad input before any weight is read
     backend, cfg = make_backend(kind, src, max_seq=a.max_seq, num_slots=1, dtype=a.dtype)
     stream = not a.json and sys.stdout.isatty()
     try:
@@ -49,13 +49,13 @@ def run_under_mpiexec(a) -> int:
     src = open_model(a.model)
     cfg = src.cfg
     tok = load_tokenizer(src)
-    build_request(a, cfg, tok)                    # bad input fails here, before any rank starts
+    build_request(a, cfg, tok, resolve(a.backend))   # bad input fails here, before any rank starts
     check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
     if a.backend == "cuda" and cfg.num_lanes == 1 and a.nranks > 1:
         choose("cuda", a.nranks, True, True, cfg)     # the cuda backend's one-line refusal of one-lane TP
     src.close()
     req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
-                                      "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system")}
+                                      "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system", "speculative")}
     try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
         cmd = build_command(detect(), a.nranks, [
             sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,

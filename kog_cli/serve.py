@@ -73,9 +73,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="storage of the layer matrices (as kog-worker --dtype)")
     p.add_argument("--slots", type=int, default=4, help="KV caches (prefix reuse between requests)")
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the running one (429 after)")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="prompt-lookup speculative decoding with up to K (0..8) draft tokens for requests that do "
-                        "not say (default 0: off; a request's \"speculative\" field overrides)")
+    p.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding with up to K (0..8; 0 = off) draft tokens for requests "
+                        "that do not say (default: the backend's, off today on cpu and cuda; a request's "
+                        "\"speculative\" field overrides)")
     p.add_argument("--bind", choices=("none", "cores", "numa"), default=None,
                    help="rank CPU binding (default: none for --np 1, cores otherwise)")
     p.add_argument("--failure-linger-s", type=float, default=5.0,
@@ -130,7 +131,9 @@ def rank_command(a, control: str) -> tuple[list[str], str | None]:
     backend_failed from rank 0, not as a lost server, under MPICH and Open MPI alike."""
     cmd = [sys.executable, "-m", "workers", "--control", control, "--backend", a.backend,
            "--bind", a.bind or ("none" if a.nranks == 1 else "cores"), "--slots", str(a.slots),
-           "--queue-limit", str(a.queue_limit), "--speculative", str(getattr(a, "speculative", 0))]
+           "--queue-limit", str(a.queue_limit)]
+    if getattr(a, "speculative", None) is not None:     # else the ranks' backend picks its default
+        cmd += ["--speculative", str(a.speculative)]
     if a.model:
         cmd += ["--model", a.model]
     if a.max_seq:

@@ -17,8 +17,12 @@ class RunCommand:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: tuple = ()
     speculative: int = 0               # prompt-lookup draft tokens a verify pass at most (0: plain decode)
+    grammar: object = None             # a kog_dist.grammar.Matcher: the tokens it forbids are masked before
+                                       # each draw (in-process only: never on the wire)
 
     def to_wire(self) -> dict:
+        if self.grammar is not None:
+            raise ValueError("structured outputs run on one rank in this build")
         s = self.sampling
         return {"slot": self.slot, "keep": self.keep, "append": [int(i) for i in self.append],
                 "max_new_tokens": self.max_new_tokens, "stop_ids": [int(i) for i in self.stop_ids],
@@ -45,6 +49,7 @@ class RunResult:
     spec_steps: int = 0                # speculative decoding: verify passes,
     spec_drafted: int = 0              # draft tokens proposed,
     spec_accepted: int = 0             # and accepted
+    grammar_ms: float = 0.0            # structured outputs: the host's time computing and applying masks
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -57,7 +62,9 @@ class RunResult:
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                 "new_tokens": len(self.token_ids), "stop_reason": self.stop_reason,
                 "spec_steps": self.spec_steps, "spec_drafted": self.spec_drafted,
-                "spec_accepted": self.spec_accepted}
+                "spec_accepted": self.spec_accepted, "grammar_ms": round(self.grammar_ms, 3),
+                "spec_tokens_per_pass": round((self.spec_steps + self.spec_accepted) / self.spec_steps, 3)
+                if self.spec_steps else 0.0}
 
 
 class Backend:

@@ -261,23 +261,28 @@ class Client:
             s.close(0)
 
     def generate(self, prompt=None, prompt_ids=None, *, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-                 seed=0, stop=None, stop_ids=None, add_bos=None, session=None) -> GenerateResult:
+                 seed=0, stop=None, stop_ids=None, add_bos=None, session=None, response_format=None,
+                 speculative=None) -> GenerateResult:
         """Decode; returns a GenerateResult (token_ids / ids, text, stop_reason, stats). `stop` is a
-        string or a list of strings, `stop_ids` a list of ids; `session` continues that session."""
+        string or a list of strings, `stop_ids` a list of ids; `session` continues that session;
+        `response_format` ({"type": "json_schema", "schema": S} ...) decodes under a grammar, `speculative`
+        (False, True or {"k": K}) overrides the server's default (docs/protocol.md)."""
         st = self.stream(prompt, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, add_bos=add_bos, session=session,
-                         _stream=False)
+                         response_format=response_format, speculative=speculative, _stream=False)
         for _ in st:
             pass
         return st.result
 
     def stream(self, prompt=None, prompt_ids=None, *, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0,
-               seed=0, stop=None, stop_ids=None, add_bos=None, session=None, _stream=True) -> "Stream":
+               seed=0, stop=None, stop_ids=None, add_bos=None, session=None, response_format=None, speculative=None,
+               _stream=True) -> "Stream":
         """An iterator of chunks {"token_ids", "text"} as the ranks produce them; afterwards
         ``.result`` holds the GenerateResult. ``.cancel()`` stops the decode, ``.close()`` cancels
         and waits for the end (also on leaving a ``with`` block)."""
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  stop=stop, stop_ids=stop_ids, add_bos=add_bos, session=session)
+                  stop=stop, stop_ids=stop_ids, add_bos=add_bos, session=session, response_format=response_format,
+                  speculative=speculative)
         msg = _request("generate", prompt, prompt_ids, kw)
         msg["stream"] = _stream
         return Stream(self, msg)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,20 @@ BUILTINS = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
 NAMES = (DEFAULT_MODEL, TINY_RANDOM)
+
+
+# the quantisation tags GGUF files carry at the end of their names (llama.cpp's ftype names)
+_QUANT = re.compile(r"[.\-_](?:I?Q[1-8](?:_[0-9A-Z]+)*(?:_[A-Z])?|F16|F32|BF16|FP16|FP32|FP8)$", re.IGNORECASE)
+
+
+def model_id(path: str) -> str:
+    """The name people know a model by: the file's or the folder's name, without `.gguf` and a quantisation
+    tag (`SmolLM2-135M-Instruct` from `SmolLM2-135M-Instruct.Q4_1.gguf`), not GGUF's general.name. A folder
+    keeps its dots (qwen2.5-0.5b)."""
+    base = os.path.basename(os.path.normpath(str(path))) or str(path)
+    if base.lower().endswith(".gguf"):
+        base = _QUANT.sub("", base[:-5]) or base[:-5]
+    return base
 
 
 class ModelNotFound(ValueError):

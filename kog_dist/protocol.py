@@ -14,8 +14,10 @@ import socket
 
 import msgpack
 
+from .grammar import GrammarError, check_format
 from .sampling import MAX_TEMPERATURE, MAX_TOP_K
 from .speculative import MAX_DRAFT
+from .tools import ToolError, check_tools
 
 VERSION = 1
 MAX_FRAME_BYTES = 1 << 20          # a request frame larger than this gets a `too_large` error
@@ -164,11 +166,22 @@ def _messages(msg, out):
                                            f"{{role, content}} maps, got {_show(x)}")
     for i, m in enumerate(x):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not 1 <= len(m["role"]) <= 32 \
-                or not isinstance(m.get("content"), str) or set(m) - {"role", "content", "name"} \
-                or not isinstance(m.get("name", ""), str):
+                or not isinstance(m.get("content"), str) or set(m) - {"role", "content", "name", "tool_calls",
+                                                                       "tool_call_id"} \
+                or not isinstance(m.get("name", ""), str) or not isinstance(m.get("tool_call_id", ""), str):
             raise ProtocolError("bad_request", f"message {i} must be a map of role (string), content (string) "
-                                               f"and optionally name, got {_show(m)}")
+                                               f"and optionally name, tool_calls, tool_call_id, got {_show(m)}")
+        if "tool_calls" in m and not _tool_calls_ok(m["tool_calls"]):
+            raise ProtocolError("bad_request", f"message {i}: tool_calls must be a list of {{id, type: function, "
+                                               f"function: {{name, arguments}}}} maps, got {_show(m['tool_calls'])}")
     out["messages"] = [dict(m) for m in x]
+
+
+def _tool_calls_ok(calls) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict)) and isinstance(c.get("id", ""), str)
+        for c in calls)
 
 
 def _generate(msg, out):
@@ -197,6 +210,23 @@ def _generate(msg, out):
     out["stop_ids"] = _ids(msg, "stop_ids", MAX_STOP_IDS) if "stop_ids" in msg else []
     if "speculative" in msg:
         out["speculative"] = _speculative(msg["speculative"])
+    if "tools" in msg:         # rendered into the prompt by the chat template (kog_dist/tools.py)
+        if "messages" not in out:
+            raise ProtocolError("bad_request", "tools need messages (the chat template renders them)")
+        try:
+            out["tools"] = check_tools(msg["tools"])
+        except ToolError as e:
+            raise ProtocolError("bad_request", str(e)[:400]) from None
+    if "response_format" in msg:
+        try:
+            fmt = check_format(msg["response_format"])
+        except GrammarError as e:
+            raise ProtocolError("bad_request", str(e)) from None
+        if fmt is not None:
+            if out["stop"]:
+                raise ProtocolError("bad_request", "stop cannot be combined with response_format (a stop string "
+                                                   "could cut the object short)")
+            out["response_format"] = fmt
 
 
 def _speculative(v) -> int:
@@ -240,7 +270,8 @@ OPS = {
     "stats": ((), None),
     "shutdown": (("secret",), lambda m, o: o.update(secret=_str(m, "secret", MAX_SECRET)) if "secret" in m else None),
     "generate": (("prompt", "prompt_ids", "messages", "add_bos", "session", "max_new_tokens", "temperature",
-                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative", "quiet"), _generate),
+                  "top_k", "top_p", "seed", "stop", "stop_ids", "stream", "owner", "speculative", "quiet",
+                  "response_format", "tools"), _generate),
     "open": (("ttl_s", "owner"), _open),
     "append": (("session", "prompt", "prompt_ids", "add_bos", "owner"), _append),
     "close": (("session", "owner"), lambda m, o: _session(m, o, required=True)),

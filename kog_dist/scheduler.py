@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 from . import protocol as P
 from .backend import RunCommand
+from .grammar import GrammarError, compile_format
 from .protocol import ProtocolError
 from .sampling import SamplingParams
 from .textstream import TextStream, find_stop
+from .tools import chat_text
 
 
 @dataclass(eq=False)
@@ -36,6 +38,7 @@ class _Req:
     text_prompt: bool
     session: object = None
     owner: object = None         # _owner_key of the client that sent it (see Scheduler._mine)
+    grammar: object = None       # response_format compiled (kog_dist.grammar.Grammar): each run gets a matcher
     t_accept: float = field(default_factory=time.monotonic)
     position: int = 0
     cancel_reason: str | None = None   # set by the socket loop; read by on_token
@@ -166,7 +169,7 @@ class Scheduler:
         text_prompt = "prompt" in req
         if "messages" in req:
             try:
-                new_ids = [int(t) for t in _encode_chat(self.tokenizer, req["messages"])]
+                new_ids = [int(t) for t in _encode_chat(self.tokenizer, req["messages"], req.get("tools"))]
             except ValueError as e:
                 raise ProtocolError("bad_request", f"cannot render the messages: {e}"[:200]) from None
         elif text_prompt:
@@ -186,6 +189,12 @@ class Scheduler:
         if session is None and not new_ids and not (text_prompt and req.get("add_bos", self.add_bos)
                                                     and self.bos is not None):
             raise ProtocolError("bad_request", "the prompt is empty")
+        grammar = None
+        if "response_format" in req:     # compiled here: a bad schema is this request's bad_request, at once
+            try:
+                grammar = compile_format(req["response_format"], self.tokenizer)
+            except GrammarError as e:
+                raise ProtocolError("bad_request", str(e)[:400]) from None
         busy = self.active is not None or bool(self.queue)
         if busy and len(self.queue) >= self.queue_limit:
             self.counts["busy"] += 1
@@ -196,7 +205,7 @@ class Scheduler:
             raise ProtocolError("busy", f"this client holds {self.queue_share} of the {self.queue_limit} queue "
                                         "places, its share; retry when one of its requests starts")
         r = _Req(next(self.rids), ident, envelope, req["id"], req["op"], req, new_ids, text_prompt, session,
-                 owner=_owner_key(ident, req))
+                 owner=_owner_key(ident, req), grammar=grammar)
         if session is not None:
             session.pending += 1
             session.last_used = time.monotonic()
@@ -263,7 +272,8 @@ class Scheduler:
                 continue
             self.slots[r.slot].tokens = ctx[:r.keep]
             cmd = _make_command(slot=r.slot, keep=r.keep, append=ctx[r.keep:], max_new_tokens=max_new,
-                                params=r.params, stop_ids=stop_ids, speculative=self.speculative)
+                                params=r.params, stop_ids=stop_ids, speculative=self.speculative,
+                                grammar=r.grammar.matcher() if r.grammar is not None else None)
             self._submit(r, cmd)
         self._send_positions()
 
@@ -333,6 +343,10 @@ class Scheduler:
               "queue_ms": (r.t_start - r.t_accept) * 1000, "total_ms": (now - r.t_accept) * 1000,
               "slot": r.slot, "evicted": r.evicted,
               **{k: int(getattr(res, k, 0)) for k in ("spec_steps", "spec_drafted", "spec_accepted")}}
+        if st["spec_steps"]:
+            st["spec_tokens_per_pass"] = round((st["spec_steps"] + st["spec_accepted"]) / st["spec_steps"], 3)
+        if r.grammar is not None:        # the host's time a token for the mask (structured outputs)
+            st["grammar_us_per_token"] = round(float(getattr(res, "grammar_ms", 0.0)) * 1e3 / n, 1) if n else 0.0
         self._record(st, reason)
         if r.params.get("stream") and not r.gone:
             rest = text[len(r.sent_text):] if text.startswith(r.sent_text) else ""
@@ -387,7 +401,9 @@ class Scheduler:
                 "tokens_generated": c["tokens_generated"], "prefill_tokens": c["prefill_tokens"],
                 "reused_tokens": c["reused_tokens"],
                 "speculative": {"steps": c["spec_steps"], "drafted": c["spec_drafted"],
-                                "accepted": c["spec_accepted"]},
+                                "accepted": c["spec_accepted"],   # tokens a verify pass: accepted drafts + 1
+                                "tokens_per_pass": round((c["spec_steps"] + c["spec_accepted"]) / c["spec_steps"], 3)
+                                if c["spec_steps"] else 0.0},
                 **{k: _pct(v) for k, v in self.hist.items()},
                 "queue_length": len(self.queue), "queue_limit": self.queue_limit,
                 "active": self.active.rid if self.active else None,
@@ -398,15 +414,12 @@ class Scheduler:
                           "evictions": c["evictions"]}}
 
 
-def _encode_chat(tokenizer, messages):
+def _encode_chat(tokenizer, messages, tools=None):
     """The ids of a chat rendered with the model's template (the tokenizer's own BOS setting, never
-    doubled). A tokenizer without a template gets ChatML written as plain text, the fallback that
-    Hugging Face tokenizers used as their default template (docs/protocol.md)."""
-    if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    else:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        text += "<|im_start|>assistant\n"
+    doubled), tools and tool turns included (kog_dist.tools.chat_text). A tokenizer without a template gets
+    ChatML written as plain text, the fallback that Hugging Face tokenizers used as their default template
+    (docs/protocol.md)."""
+    text = chat_text(tokenizer, messages, tools)
     try:
         return tokenizer.encode(text, add_bos=None)
     except TypeError:
@@ -422,9 +435,9 @@ def _encode(tokenizer, text):
         return ids[1:] if ids and ids[0] == getattr(tokenizer, "bos_id", None) else ids
 
 
-def _make_command(*, slot, keep, append, max_new_tokens, params, stop_ids, speculative=0):
+def _make_command(*, slot, keep, append, max_new_tokens, params, stop_ids, speculative=0, grammar=None):
     sp = SamplingParams(temperature=params.get("temperature", 0.0), top_k=params.get("top_k", 0),
                         top_p=params.get("top_p", 1.0), seed=params.get("seed", 0))
     return RunCommand(slot=slot, keep=keep, append=list(append), max_new_tokens=max_new_tokens,
                       sampling=sp, stop_ids=tuple(stop_ids),
-                      speculative=int(params.get("speculative", speculative)))
+                      speculative=int(params.get("speculative", speculative)), grammar=grammar)

@@ -18,6 +18,18 @@ from .sampling import SamplingParams, sample
 
 MAX_DRAFT = 8
 MAX_NGRAM = 4
+# The draft length a command uses when not told (`--speculative` of kog generate / chat / serve / kog-worker),
+# by backend: on only where it is lossless (always) and measured not slower on free text (the free story row of
+# `kog bench --speculative 8` at >= 0.98x). Off on both today: the cpu backend's story row measured 0.96x
+# (1.01x in CPU time) on the 2-core machine (BENCHMARKS.md "Structured outputs (issue 55)"), and the monokernel's
+# last rows were 0.97x / 0.99x in bf16 and 0.93x for the default model's own Q4_1 (2026-12-04, H200). A request's
+# `speculative` field, and the flags, turn it on.
+DEFAULT_DRAFT = {"cpu": 0, "cuda": 0}
+
+
+def default_draft(backend: str) -> int:
+    """The default draft length for a backend kind ("cpu", "cuda"; anything else: off)."""
+    return DEFAULT_DRAFT.get(backend, 0)
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,45 @@ def test_prompt_longer_than_context(model):
 def test_unknown_flag_and_command():
     one_line_error(kog("generate", "--bogus"), "unrecognized arguments")
     one_line_error(kog("frobnicate"), "unknown command")
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "country": {"type": "string", "enum": ["France", "Spain"]}},
+          "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_generate_json_schema_parses_and_validates(tmp_path):
+    """--json-schema FILE (the default model, cpu): the text is the schema's object; without it, not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(SCHEMA))
+    ask = ("generate", "--backend", "cpu", "--prompt", "Paris: its city and country.", "--json")
+    free = json.loads(kog(*ask, "-n", "40").stdout)["text"]
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(free), SCHEMA)
+    r = kog(*ask, "-n", "60", "--json-schema", str(f))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert out["stats"]["stop_reason"] in ("eos", "stop") and out["stats"]["grammar_ms"] > 0
+    cut = json.loads(kog(*ask, "-n", "3", "--json-schema", str(f)).stdout)
+    assert cut["stats"]["stop_reason"] == "length"
+
+
+def test_generate_json_schema_bad_input(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "array", "uniqueItems": true}')
+    one_line_error(kog("generate", "--backend", "cpu", "--json-schema", str(bad)), "uniqueItems")
+    bad.write_text("{not json")
+    one_line_error(kog("generate", "--backend", "cpu", "--json-schema", str(bad)), "not a readable JSON file")
+    one_line_error(kog("generate", "--json-schema", str(tmp_path / "none.json"), "--np", "2"), "one rank")
+    one_line_error(kog("generate", "--speculative", "9"), "--speculative must be 0..8")
+
+
+def test_generate_speculative_flag_keeps_the_tokens():
+    ask = ("generate", "--backend", "cpu", "--prompt", "Repeat: one two three four five six, one two three four",
+           "-n", "24", "--json")
+    off = json.loads(kog(*ask, "--speculative", "0").stdout)
+    on = json.loads(kog(*ask, "--speculative", "8").stdout)
+    assert on["token_ids"] == off["token_ids"]
+    assert off["stats"]["spec_steps"] == 0 and on["stats"]["spec_steps"] > 0

@@ -254,6 +254,9 @@ def test_protocol_messages_field():
 
 
 def test_served_model_names():
-    assert served_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"   # no quant tag
+    assert served_name("qwen2.5-0.5b-instruct-q8_0.gguf") == "qwen2.5-0.5b-instruct"
+    assert served_name("Llama-3.2-1B-Instruct-Q4_K_M.gguf") == "Llama-3.2-1B-Instruct"
+    assert served_name("model-f16.gguf") == "model" and served_name("plain.gguf") == "plain"
     assert served_name("/models/qwen2.5-0.5b/") == "qwen2.5-0.5b"     # a directory keeps its dots
     assert served_name("tiny-random") == "tiny-random"

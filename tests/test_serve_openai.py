@@ -133,7 +133,9 @@ def test_speculative_extension_keeps_the_greedy_text(server, client):
     """`speculative` (our extension of the body) gives the same greedy text; its accepted drafts are
     in the stats and in /metrics."""
     prompt = "abcabcabcabcabcabc"
-    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"speculative": False})
+    assert plain.model_extra["kog_stats"]["spec_steps"] == 0
     spec = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
                                      extra_body={"speculative": {"method": "prompt_lookup", "k": 8}})
     assert spec.choices[0].text == plain.choices[0].text
@@ -143,6 +145,10 @@ def test_speculative_extension_keeps_the_greedy_text(server, client):
     drafted = int(next(line.split()[1] for line in text.splitlines()
                        if line.startswith("kog_speculative_draft_tokens_total")))
     assert drafted >= st["spec_drafted"] > 0
+    assert st["spec_tokens_per_pass"] == round((st["spec_steps"] + st["spec_accepted"]) / st["spec_steps"], 3) >= 1
+    per_pass = float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("kog_speculative_tokens_per_pass")))
+    assert per_pass >= 1.0
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
                                                          "speculative": {"k": 99}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
@@ -156,8 +162,8 @@ def test_smollm2_answers_through_the_chat_template():
         pytest.skip(f"this tree cannot open the GGUF yet: {e}")
     with Serve("--model", SMOL_GGUF, "--backend", "cpu", "--max-seq", "512", timeout=120) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        assert c.models.list().data[0].id == "SmolLM2-135M-Instruct.Q4_1"
-        r = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=24,
+        assert c.models.list().data[0].id == "SmolLM2-135M-Instruct"   # the file name, not general.name
+        r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"        # <|im_end|> ends the turn

@@ -36,9 +36,9 @@ def parser() -> argparse.ArgumentParser:
                    help="CPU/memory binding from the placement plan (default: cores)")
     p.add_argument("--slots", type=int, default=4, help="KV caches kept for sessions")
     p.add_argument("--queue-limit", type=int, default=8, help="requests waiting behind the active one")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="prompt-lookup speculative decoding with up to K draft tokens (0..8) for requests "
-                        "that do not say (default 0: off)")
+    p.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculative decoding with up to K draft tokens (0..8; 0 = off) for requests "
+                        "that do not say (default: the backend's, kog_dist.speculative.DEFAULT_DRAFT)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session expires")
     p.add_argument("--session-ttl-max", type=float, default=600.0,
                    help="the longest ttl_s a client may ask for (default 600 s)")

@@ -92,15 +92,19 @@ class CpuBackend(Backend):
         res.prefill_ms = clock.ms()
         stop = (set() if ignore_eos else set(self.cfg.eos_token_ids)) | set(cmd.stop_ids)
         speculative = cmd.speculative if self.tp is None else 0
-        verify = self._verify() if speculative > 0 else None
-        if speculative <= 0:
+        g = cmd.grammar             # structured outputs: mask, draw, advance; without speculation (one token a step)
+        if g is not None:
+            stop |= set(g.grammar.lltok.eos_tokens)
+        draw = self.sample if g is None else (lambda lg, sp, counter: _draw_masked(g, lg, sp, counter))
+        verify = self._verify() if speculative > 0 and g is None else None
+        if speculative <= 0 or g is not None:
             drafts, min_ngram = None, 1
         elif verify:
             drafts, min_ngram = AdaptiveDraft(speculative, start=CPU_FIRST_DRAFT), CPU_MIN_NGRAM
         else:
             drafts, min_ngram = AdaptiveDraft(speculative), 1
         t_first = None
-        ahead = [] if cmd.max_new_tokens == 0 else [self.sample(logits, cmd.sampling, counter=len(held))]
+        ahead = [] if cmd.max_new_tokens == 0 else [draw(logits, cmd.sampling, counter=len(held))]
         while ahead:
             # ahead: tokens drawn but not yet given out; all but the last of a verify pass are accepted
             # drafts, whose keys and values the cache already holds
@@ -137,10 +141,20 @@ class CpuBackend(Backend):
                 continue
             logits = self.decoder.step(eng, tok) if self.decoder else eng.step(tok)
             held.append(tok)
-            ahead = [self.sample(logits, cmd.sampling, counter=len(held))]
+            ahead = [draw(logits, cmd.sampling, counter=len(held))]
         if not res.token_ids and cmd.max_new_tokens == 0:
             res.stop_reason = "none"
+        if g is not None:
+            res.grammar_ms = g.mask_s * 1e3
         eng.truncate(len(held))        # drafts accepted past a stop are not context
         self.tokens[cmd.slot] = held
         res.cached = len(held)
         return res
+
+
+def _draw_masked(g, logits, params, counter: int) -> int:
+    """One draw under the grammar: the tokens it forbids are -inf before sampling, and it takes the token."""
+    tok = sample(g.mask(logits), params, counter)
+    if not g.accept(tok):    # the mask allowed it, so only a broken grammar gets here
+        raise ValueError(f"the grammar refused token {tok} that its mask allowed")
+    return tok

@@ -17,7 +17,8 @@ from kccl.shm import unlink_mpich_segments
 from kog_dist.control_auth import CurveKeys, check_endpoint
 from kog_dist.coordinator import Coordinator
 from kog_dist.formats import open_model
-from kog_dist.models import resolve_model
+from kog_dist.models import model_id, resolve_model
+from kog_dist.speculative import default_draft
 from kog_dist.tokenizer import load_tokenizer
 from launch.discovery import require_single_node
 from topology.place import place_rank
@@ -65,6 +66,8 @@ def run(a) -> int:
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
     everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
     kind, note = _all_or_none(world, lambda: choose(a.backend, size, here, everywhere, cfg))   # said once
+    if a.speculative is None:      # not given: the backend's default (kog_dist.speculative.DEFAULT_DRAFT)
+        a.speculative = default_draft(kind)
     if note and rank == 0:
         log(note)
     placed = _place(a, info, use_gpus=kind == "cuda")   # before the buffers below, so they are near the rank
@@ -231,7 +234,8 @@ def _serve(a, src, cfg, backend, comm, hb=None) -> int:
                             speculative=a.speculative,
                             session_ttl_max_s=a.session_ttl_max, max_client_sessions=a.client_sessions,
                             queue_share=a.client_queue)
-        coord.model_name = getattr(src, "name", None)      # `health` tells gateways what they serve
+        # `health` tells gateways what they serve: the file's or folder's name, not GGUF's general.name
+        coord.model_name = model_id(src.path) if getattr(src, "path", None) else getattr(src, "name", None)
         rc = coord.serve()
         if hb is not None and hb.lost:
             # a frozen rank: the clients were told; the decode thread may still wait in kccl on it, so
@@ -252,7 +256,7 @@ def _oneshot(a, src, cfg, backend, comm, kind) -> int:
     tok = load_tokenizer(src)
     group = RankGroup(backend, comm)
     try:
-        ids, cmd = build_request(req, cfg, tok)
+        ids, cmd = build_request(req, cfg, tok, kind)
         res = group.run(cmd)
     finally:
         group.close()

@@ -6,7 +6,9 @@ import json
 import sys
 
 from kog_dist.backend import RunCommand
+from kog_dist.grammar import GrammarError, compile_format
 from kog_dist.sampling import SamplingParams
+from kog_dist.speculative import default_draft
 from kog_dist.tp import check_tp
 
 
@@ -38,7 +40,8 @@ def check_rank_count(cfg, nranks: int) -> None:
     cfg.lanes_of_rank(0, nranks)
 
 
-def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
+def build_request(a, cfg, tok, backend: str = "cpu") -> tuple[list[int], RunCommand]:
+    """The command of `kog generate`'s flags; `backend` (the kind that runs it) picks the default draft length."""
     ids = prompt_ids(a, tok)
     if not ids:
         raise ValueError("empty prompt: give at least one token")
@@ -51,9 +54,26 @@ def build_request(a, cfg, tok) -> tuple[list[int], RunCommand]:
     sp = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed).validate()
     if a.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
+    k = getattr(a, "speculative", None)
     cmd = RunCommand(slot=0, keep=0, append=ids, max_new_tokens=a.max_new_tokens, sampling=sp,
-                     stop_ids=tuple(a.stop_ids) + end_of_turn_ids(cfg, tok))
+                     stop_ids=tuple(a.stop_ids) + end_of_turn_ids(cfg, tok),
+                     speculative=default_draft(backend) if k is None else int(k))
+    if getattr(a, "json_schema", None):
+        cmd.grammar = _schema_grammar(a.json_schema, tok).matcher()
     return ids, cmd
+
+
+def _schema_grammar(path: str, tok):
+    """--json-schema FILE compiled for the tokenizer; a one-line ValueError for a file or schema that cannot be."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"--json-schema {path}: not a readable JSON file: {str(e).splitlines()[0][:160]}") from None
+    try:
+        return compile_format({"type": "json_schema", "schema": schema}, tok)
+    except GrammarError as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
 
 
 def result_json(ids, res, tok, backend: str, ranks: int, model_dir: str) -> dict:

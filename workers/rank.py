@@ -67,7 +67,7 @@ class RankGroup:
         # Refuse here, before the followers hear of it, so a bad request cannot desynchronise them.
         check_command(cmd, self.backend.cached(cmd.slot), self.backend.cfg.vocab_size, self.max_seq,
                       self.num_slots)
-        if self.comm.size > 1:
+        if self.comm.size > 1:   # to_wire refuses a grammar (one line): structured outputs run on one rank
             send_message(self.comm, {"op": OP_RUN, "cmd": cmd.to_wire()})
         return self.backend.run(cmd, on_token)
 

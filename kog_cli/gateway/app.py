@@ -25,8 +25,10 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from kog_dist.aclient import AsyncClient, ClientTimeout, ServerError, ServerGone
+from kog_dist.models import model_id
 
 from . import openai_api as O
+from . import tools_api as T
 from .metrics import Metrics
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
@@ -35,10 +37,9 @@ GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}    # p
 
 
 def served_name(model: str) -> str:
-    """The id clients use for a model path or name: its last part, without a .gguf suffix (not any
-    suffix: qwen2.5-0.5b keeps its dots)."""
-    base = os.path.basename(os.path.normpath(model)) or model
-    return base[:-5] if base.lower().endswith(".gguf") else base
+    """The id clients use for a model path or name: kog_dist.models.model_id (the file's or folder's name,
+    without .gguf and its quantisation tag; qwen2.5-0.5b keeps its dots)."""
+    return model_id(model)
 
 
 def _json(obj) -> bytes:
@@ -277,6 +278,7 @@ class Gateway:
             self._available()
             max_seq = int(self.health.get("max_seq") or 0)
             msg = O.chat_request(body, max_seq) if chat else O.completion_request(body, max_seq)
+            tools = msg.pop("_tools", None)      # tool calls: parsed out of the answer (tools_api)
             msg["quiet"] = True
             req = self.client.request(msg)
         except O.ApiError as e:
@@ -289,8 +291,10 @@ class Gateway:
             cid = O.new_id("chatcmpl" if chat else "cmpl")
             model = self.model_name or "kog"
             # what the answer needs is made while the coordinator prefills, not after its first token
-            sse = _SSE(self, req, cid, model, chat, O.include_usage(body), t0, endpoint, watch) if msg["stream"] \
-                else None
+            sse = (T.ToolSSE if tools else _SSE)(self, req, cid, model, chat, O.include_usage(body), t0, endpoint,
+                                                 watch) if msg["stream"] else None
+            if tools and sse is not None:
+                sse.plan = tools
             try:
                 first = await req.__anext__()          # an error, a queued place, a chunk, progress, the result
             except StopAsyncIteration:                 # the client went away before anything came
@@ -303,7 +307,7 @@ class Gateway:
             if sse is not None:
                 await sse.run(send, queued=first.get("type") == "accepted" and bool(first.get("position")))
             else:
-                await self._whole(send, req, cid, model, chat, endpoint, watch)
+                await self._whole(send, req, cid, model, chat, endpoint, watch, tools)
         finally:
             watch.cancel()
             self.metrics.in_flight -= 1
@@ -314,7 +318,7 @@ class Gateway:
         self.metrics.request(endpoint, e.status)
         await _send_whole(send, e.status, _json(e.body()), e.headers)
 
-    async def _whole(self, send, req, cid, model, chat, endpoint, watch):
+    async def _whole(self, send, req, cid, model, chat, endpoint, watch, tools=None):
         """A non-streaming completion: wait for the result."""
         status, out, headers = 200, None, {}
         try:
@@ -323,6 +327,8 @@ class Gateway:
                     st = m.get("stats", {})
                     self.metrics.finished(st, (st.get("queue_ms", 0) + st.get("ttft_ms", 0)) / 1000)
                     out = O.completion_body(cid, model, m, chat)
+                    if tools:
+                        out = T.whole(out, tools)
         except ServerError as e:
             err = O.from_server_error(e.code, e.message)
             status, out, headers = err.status, err.body(), err.headers

@@ -38,7 +38,7 @@ class Metrics:
         self.tokens = 0
         self.prompt_tokens = 0
         self.reused_tokens = 0
-        self.spec_drafted = self.spec_accepted = 0
+        self.spec_drafted = self.spec_accepted = self.spec_steps = 0
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.per_token = Histogram(TOKEN_BUCKETS)
@@ -54,6 +54,7 @@ class Metrics:
         self.reused_tokens += int(stats.get("reused_tokens", 0))
         self.spec_drafted += int(stats.get("spec_drafted", 0))
         self.spec_accepted += int(stats.get("spec_accepted", 0))
+        self.spec_steps += int(stats.get("spec_steps", 0))
         if ttft_s is not None and n:
             self.ttft.observe(ttft_s)
         decode_ms = float(stats.get("decode_ms", 0.0))
@@ -79,6 +80,11 @@ class Metrics:
                 "# HELP kog_speculative_accepted_tokens_total Draft tokens accepted (verified in one pass).",
                 "# TYPE kog_speculative_accepted_tokens_total counter",
                 f"kog_speculative_accepted_tokens_total {self.spec_accepted}",
+                "# HELP kog_speculative_passes_total Verify passes that checked a draft.",
+                "# TYPE kog_speculative_passes_total counter", f"kog_speculative_passes_total {self.spec_steps}",
+                "# HELP kog_speculative_tokens_per_pass Tokens a verify pass gave (accepted drafts + 1), all requests.",
+                "# TYPE kog_speculative_tokens_per_pass gauge",
+                f"kog_speculative_tokens_per_pass {tokens_per_pass(self.spec_steps, self.spec_accepted):.3f}",
                 "# HELP kog_time_to_first_token_seconds From the HTTP request to its first token.",
                 "# TYPE kog_time_to_first_token_seconds histogram",
                 *self.ttft.lines("kog_time_to_first_token_seconds"),
@@ -95,3 +101,8 @@ class Metrics:
                 "# HELP kog_up 1 when the coordinator answers and the model is loaded.",
                 "# TYPE kog_up gauge", f"kog_up {int(h.get('status') == 'ok')}"]
         return "\n".join(out) + "\n"
+
+
+def tokens_per_pass(steps: int, accepted: int) -> float:
+    """Tokens a verify pass gives: its accepted drafts and the token it draws itself (0 with no pass)."""
+    return (steps + accepted) / steps if steps else 0.0

@@ -3,7 +3,7 @@
 Only what the official client sends and reads: /v1/completions and /v1/chat/completions with
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop, n (1), stream and
 stream_options.include_usage. Unknown fields are ignored (clients send many); known fields whose
-values this server cannot honour (n > 1, logprobs, echo, penalties, tools...) are refused with 400
+values this server cannot honour (n > 1, logprobs, echo, penalties, functions...) are refused with 400
 rather than silently dropped. Every refusal is an ``ApiError`` that the app turns into OpenAI's
 error JSON."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import secrets
 import time
 
 from kog_dist import protocol as P
+from kog_dist.grammar import GrammarError, check_format
 
 MAX_STOP = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -85,11 +86,8 @@ def _refuse_unsupported(body):
         raise bad("echo is not supported", "echo")
     if body.get("logit_bias") not in (None, {}):
         raise bad("logit_bias is not supported", "logit_bias")
-    if body.get("tools") not in (None, []) or body.get("functions") not in (None, []):
-        raise bad("tools and functions are not supported", "tools")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format must be {\"type\": \"text\"}", "response_format")
+    if body.get("functions") not in (None, []):
+        raise bad("functions (the old form of tools) are not supported: give tools", "functions")
     if body.get("suffix") not in (None, ""):
         raise bad("suffix is not supported", "suffix")
 
@@ -127,6 +125,17 @@ def sampling(body: dict, max_seq: int, default_max: int | None) -> dict:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
+    rf = body.get("response_format")
+    if rf is not None:             # structured outputs: checked here, compiled (the library's errors) by the coordinator
+        try:
+            fmt = check_format(rf)
+        except GrammarError as e:
+            raise bad(str(e), "response_format") from None
+        if fmt is not None:
+            if out.get("stop"):
+                raise bad("stop cannot be combined with response_format (a stop string could cut the object "
+                          "short)", "stop")
+            out["response_format"] = fmt
     if "speculative" in body:      # our extension: {"method": "prompt_lookup", "k": 8}, true or false
         try:
             k = P.parse_request({"v": 1, "op": "generate", "prompt_ids": [0],
@@ -155,6 +164,8 @@ def completion_request(body: dict, max_seq: int) -> dict:
         raise bad("prompt must be one string or one list of token ids (batches are not supported)", "prompt")
     else:
         raise bad("prompt is required: a string or a list of token ids", "prompt")
+    if body.get("tools") not in (None, []):
+        raise bad("tools are for /v1/chat/completions (the chat template renders them)", "tools")
     msg.update(sampling(body, max_seq, 16))   # OpenAI's default max_tokens for completions
     return msg
 
@@ -176,6 +187,7 @@ def _content(m, i) -> str:
 
 
 def chat_request(body: dict, max_seq: int) -> dict:
+    from . import tools_api as T     # here: it builds on this module
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages is required: a non-empty list of {role, content} objects", "messages")
@@ -186,9 +198,12 @@ def chat_request(body: dict, max_seq: int) -> dict:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"[:160], "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+        out.append(T.history(m, i, _content(m, i)))
     msg = {"op": "generate", "messages": out}
     msg.update(sampling(body, max_seq, None))
+    p = T.plan(body, msg)          # tools: rendered by the template; "required" / a name: the call's grammar
+    if p is not None:
+        msg["_tools"] = p          # the gateway's, taken off before the message is sent
     return msg
 
 

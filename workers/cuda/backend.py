@@ -186,6 +186,8 @@ class CudaBackend(Backend):
         self._timing_token = timing_token
         self._spec_fixed = spec_fixed       # (speculative) every pass drafts this many tokens: its cost
         cp, cfg = self.cp, self.cfg
+        if cmd.grammar is not None:     # the lead decides the in-kernel path (issue 55): refuse, one line
+            raise ValueError("structured outputs run on the cpu backend in this build")
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
         clock = Clock()
         held = self.tokens[cmd.slot][:cmd.keep]
