@@ -49,10 +49,10 @@ def run_under_mpiexec(a) -> int:
     src = open_model(a.model)
     cfg = src.cfg
     tok = load_tokenizer(src)
-    build_request(a, cfg, tok, resolve(a.backend))   # bad input fails here, before any rank starts
-    check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
     if a.backend == "cuda" and cfg.num_lanes == 1 and a.nranks > 1:
         choose("cuda", a.nranks, True, True, cfg)     # the cuda backend's one-line refusal of one-lane TP
+    build_request(a, cfg, tok, resolve(a.backend))   # bad input fails here, before any rank starts
+    check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
     src.close()
     req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
                                       "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system", "speculative")}
