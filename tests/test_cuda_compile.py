@@ -237,7 +237,7 @@ def test_storage_names():
     from workers.cuda.weights import layer_elems, split_dtype, streamed_bytes
     assert split_dtype("BF16") == (None, "BF16") and split_dtype("Q4_0") == ("Q4_0", "BF16")
     assert split_dtype("q8_0:f32") == ("Q8_0", "F32")
-    for bad in ("Q5_K", "Q4_0:Q8_0", "F32:BF16"):
+    for bad in ("Q3_K", "Q4_0:Q8_0", "F32:BF16"):
         with pytest.raises(ValueError, match="storage type"):
             split_dtype(bad)
     cfg = shape_config("2b")

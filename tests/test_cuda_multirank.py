@@ -696,7 +696,8 @@ def test_killed_rank_verdict():
 def test_params_layout_matches_the_backend():
     """The kernel's Params words (each field 8 bytes, arrays of them) against the indices backend.py
     writes: 58 quantized scales, 59 biases, 60..65 the speculative passes' (spec, ctx, spec_logits, spec_k,
-    spec_min_ngram, spec_fixed), 66 kccl pointer, 67..69 first epochs (attn, mlp, final), 70 yfin; N_PARAMS holds them.
+    spec_min_ngram, spec_fixed), 66 / 67 the K-quants' high bits and types, 68 kccl pointer, 69..71 first epochs
+    (attn, mlp, final), 72 yfin; N_PARAMS holds them.
     Read from the inlined source (build.source): Params is in one of monokernel.cu's headers."""
     import re
     from workers.cuda.backend import N_PARAMS
@@ -720,15 +721,16 @@ def test_params_layout_matches_the_backend():
         words += count
     assert names["rope"] == (57, False) and names["ws"] == (58, False) and names["bias"] == (59, False)
     assert names["spec"] == (60, False) and names["spec_min_ngram"] == (64, False)
-    assert names["kd"] == (66, True) and names["e0"] == (67, True) and names["yfin"] == (70, True)
-    assert words == 71 <= N_PARAMS
+    assert names["wh"] == (66, False) and names["kt"] == (67, False)
+    assert names["kd"] == (68, True) and names["e0"] == (69, True) and names["yfin"] == (72, True)
+    assert words == 73 <= N_PARAMS
     # the host packs by these names, read from the same struct (workers/cuda/params.py)
     from workers.cuda.params import LAYOUT, ParamWords
     assert {k: v[0] for k, v in LAYOUT.items()} == {k: w for k, (w, _) in names.items()}
     p = ParamWords(N_PARAMS)
     p["temperature"], p["top_k"], p["seed"], p["e0"], p["yfin"] = 0.5, 7, (1 << 64) - 1, [3, 4, 5], 0xdead
     assert p.words.view(np.float64)[25] == 0.5 and p.words.view(np.int64)[27] == 7
-    assert p.words[28] == (1 << 64) - 1 and list(p.words.view(np.int64)[67:70]) == [3, 4, 5] and p.words[70] == 0xdead
+    assert p.words[28] == (1 << 64) - 1 and list(p.words.view(np.int64)[69:72]) == [3, 4, 5] and p.words[72] == 0xdead
     with pytest.raises(ValueError):
         p["stop_ids"] = list(range(17))                  # 16 words
     bsrc = open(os.path.join(REPO, "workers", "cuda", "backend.py")).read()
