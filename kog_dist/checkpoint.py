@@ -468,15 +468,20 @@ def save_safetensors(path: str, tensors: dict[str, tuple[np.ndarray, str]], meta
         header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
         blobs.append(b)
         off += len(b)
+    with open(path, "wb") as f:
+        _write_header(f, header, metadata)
+        for b in blobs:
+            f.write(b)
+
+
+def _write_header(f, header: dict, metadata: dict | None) -> None:
+    """safetensors' header: its 8-byte length, then the JSON (tensors and __metadata__), padded to 8 bytes."""
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+    f.write(struct.pack("<Q", len(h)))
+    f.write(h)
 
 
 def write_safetensors_stream(path: str, specs: list[tuple[str, str, tuple]], produce, metadata: dict | None = None,
@@ -489,13 +494,8 @@ def write_safetensors_stream(path: str, specs: list[tuple[str, str, tuple]], pro
         nb = math.prod(shape) * ITEMSIZE[dt]
         header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + nb]}
         off += nb
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
+        _write_header(f, header, metadata)
         for name, dt, shape in specs:
             arr = produce(name)
             if isinstance(arr, np.ndarray):

@@ -456,12 +456,7 @@ class _SSE:
                 pass
         except OSError:                               # the client is gone (a send failed)
             pass
-        if self.watch.done() and not self.watch.cancelled():
-            return
-        try:
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        except OSError:
-            pass
+        await O.end_stream(send, self.watch)
 
 
 class _Generate:

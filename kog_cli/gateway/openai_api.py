@@ -247,3 +247,13 @@ def chunk_body(cid, created, model, chat: bool, text=None, finish=None, role=Fal
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+async def end_stream(send, watch) -> None:
+    """A stream's last event, [DONE], unless the watch on its connection saw the client go."""
+    if watch.done() and not watch.cancelled():
+        return
+    try:
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    except OSError:
+        pass

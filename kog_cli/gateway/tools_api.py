@@ -149,9 +149,4 @@ class ToolSSE:
                             "more_body": True})
             except OSError:
                 return
-        if self.watch.done() and not self.watch.cancelled():
-            return
-        try:
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        except OSError:
-            pass
+        await O.end_stream(send, self.watch)
