@@ -49,8 +49,8 @@ def run_under_mpiexec(a) -> int:
     src = open_model(a.model)
     cfg = src.cfg
     tok = load_tokenizer(src)
-    if a.backend == "cuda" and cfg.num_lanes == 1 and a.nranks > 1:
-        choose("cuda", a.nranks, True, True, cfg)     # the cuda backend's one-line refusal of one-lane TP
+    if a.backend == "cuda" and a.nranks > 1:
+        choose("cuda", a.nranks, True, True, cfg)     # the multi-rank kernel's rules, refused in one line
     build_request(a, cfg, tok, resolve(a.backend))   # bad input fails here, before any rank starts
     check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
     src.close()

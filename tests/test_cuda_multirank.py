@@ -52,6 +52,7 @@ VARIANTS = {
     "L4_d2_8layers": dict(num_hidden_layers=8),
     "L8_d3_10layers_mha": dict(num_lanes=8, broadcast_delay=3, num_hidden_layers=10, num_key_value_heads=None),
     "no_comm": dict(num_lanes=8, use_comm=False),
+    "L4_all_early": dict(num_hidden_layers=5, broadcast_delay=5, early_layers_to_future=False),
 }
 
 
@@ -75,8 +76,9 @@ def test_ranks_must_divide_lanes():
         mr.check(_cfg(num_lanes=8), 3)
     with pytest.raises(ValueError, match="1..8"):
         mr.check(_cfg(num_lanes=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=512), 16)
-    with pytest.raises(ValueError, match="num_hidden_layers > broadcast_delay"):
-        mr.check(_cfg(num_lanes=4, num_hidden_layers=2, broadcast_delay=2), 2)
+    # every layer early (tensor parallelism, kog_dist/tp_lanes.py): a ring of 6 whatever the delay
+    mr.check(_cfg(num_lanes=4, num_hidden_layers=2, broadcast_delay=2), 2)
+    assert mr.depth(_cfg(num_lanes=4, num_hidden_layers=30, broadcast_delay=30, early_layers_to_future=False)) == 6
     with pytest.raises(ValueError, match="16 at most"):
         mr.check(_cfg(num_lanes=4, num_hidden_layers=40, broadcast_delay=8), 2)
     mr.check(_cfg(num_lanes=4, num_hidden_layers=40, broadcast_delay=7), 2)
@@ -256,7 +258,7 @@ def _simulate_ll(cfg, nranks, depth, tokens=3, seed=0):
 def test_ll_depth_is_enough_and_a_short_ring_breaks(name, nranks):
     cfg = _cfg(**VARIANTS[name])
     dep = mr.depth(cfg)
-    assert dep == 2 * cfg.broadcast_delay + 2
+    assert dep == (6 if mr.all_early(cfg) else 2 * cfg.broadcast_delay + 2)
     for seed in range(20):
         assert _simulate_ll(cfg, nranks, dep, seed=seed) == "ok", f"seed {seed}, depth {dep}"
     # the model needs 2 * delta (a lane posting layer j has read layer j - delta from every lane, so

@@ -42,11 +42,8 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
     if kind == "cpu":
         return "cpu", None
     if size > 1 and cfg is not None and cfg.num_lanes == 1:
-        msg = (f"the cuda backend does not split a one-lane (Llama-family) model over {size} ranks yet "
-               "(tensor parallelism runs on the cpu backend: --backend cpu)")
-        if kind == "cuda":
-            raise ValueError(msg)
-        return "cpu", f"--backend auto: {msg}; using cpu"
+        from kog_dist.tp_lanes import lanes_config    # tensor parallelism: the model as N all-early lanes
+        cfg = lanes_config(cfg, size)                 # refuses a split the model cannot take, in one line
     if not everywhere:
         if kind == "cuda":
             if size == 1:
@@ -64,8 +61,9 @@ def choose(kind: str, size: int, here: bool, everywhere: bool, cfg=None) -> tupl
                 raise
             return "cpu", f"--backend auto: {e}; using cpu"
     if size > 1:
+        what = "tensor-parallel partials" if cfg is not None and multirank.all_early(cfg) else "lane partials"
         return "cuda", (f"--backend {kind}: cuda backend on {size} ranks (each rank's monokernel exchanges "
-                        "lane partials with the others through kccl cuda_ipc)")
+                        f"{what} with the others through kccl cuda_ipc)")
     return "cuda", None
 
 

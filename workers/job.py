@@ -20,6 +20,7 @@ from kog_dist.formats import open_model
 from kog_dist.models import model_id, resolve_model
 from kog_dist.speculative import default_draft
 from kog_dist.tokenizer import load_tokenizer
+from kog_dist.tp_lanes import LaneSource
 from launch.discovery import require_single_node
 from topology.place import place_rank
 from topology.probe import mps_running
@@ -66,6 +67,9 @@ def run(a) -> int:
     # every rank takes the same decision (bootstrap only: one allreduce of a flag)
     everywhere = bool(allreduce_int(world, int(here), MPI.MIN)) if size > 1 else here
     kind, note = _all_or_none(world, lambda: choose(a.backend, size, here, everywhere, cfg))   # said once
+    if kind == "cuda" and tp:      # the cuda backend splits a one-lane model as N all-early lanes (tp_lanes)
+        src, tp = LaneSource(src, size), False
+        cfg, lanes = src.cfg, src.cfg.lanes_of_rank(rank, size)
     if a.speculative is None:      # not given: the backend's default (kog_dist.speculative.DEFAULT_DRAFT)
         a.speculative = default_draft(kind)
     if note and rank == 0:
@@ -107,7 +111,8 @@ def run(a) -> int:
         if a.oneshot:
             return _oneshot(a, src, cfg, backend, comm, kind)
         split = (f"tensor parallel ({_tp_line(backend)})" if tp else
-                 f"lanes {lanes.start}..{lanes.stop - 1} on rank 0")
+                 f"tensor parallel as {size} lanes (heads and FFN columns of lane 0 on rank 0)"
+                 if isinstance(src, LaneSource) else f"lanes {lanes.start}..{lanes.stop - 1} on rank 0")
         log(f"{size} rank(s), backend {kind}, {split}, binding {placed}")
         return _serve(a, src, cfg, backend, comm, hb)
     finally:

@@ -17,7 +17,11 @@
 // Epoch of (kind, token n, layer i): e0[kind] + n * NPOST + mr_index(i); of the final rows: e0[2] + n.
 // workers/cuda/multirank.py computes the same schedule on the host (and tests it).
 constexpr int MR_DEPTH = CFG_MR_DEPTH;   // ring slots of every channel (multirank.depth)
-static_assert(MR_DEPTH >= 2 * DELTA + 2, "multi-rank: LL slots need a ring of 2 * delta + 2");
+// every layer early (DELTA >= NL: tensor parallelism of a one-lane model, kog_dist/tp_lanes.py): a post of
+// (kind, layer j) implies every rank read (kind, layer j - 1), and the final slot's ring wants 6 (mr_final)
+constexpr bool MR_ALL_EARLY = USE_COMM && USE_EARLY && DELTA >= NL;
+static_assert(MR_ALL_EARLY ? MR_DEPTH >= 6 : MR_DEPTH >= 2 * DELTA + 2,
+              "multi-rank: LL slots need a ring of 2 * delta + 2 (6 with every layer early)");
 __shared__ KcclDev kds;          // this rank's KcclDev, copied at launch
 __shared__ int mr_flag_s, mr_cancel_s, mr_n_s;
 enum { CH_FIN = 3 };
@@ -45,7 +49,6 @@ __host__ __device__ constexpr int nposters(int U) {
   for (int b = 0; b < NB; ++b) c += ((long long)(b + 1) * U / NB > (long long)b * U / NB) ? 1 : 0;
   return c;
 }
-static_assert(NL > DELTA || !USE_COMM || !USE_EARLY, "multi-rank: the last layer may not be an early all-reduce");
 __device__ __forceinline__ u64 mr_epoch(const Params& p, int kind, int n, int i) {
   return (u64)(p.e0[kind] + (long long)n * NPOST + mr_index(i));
 }

@@ -43,9 +43,6 @@ def check(cfg, nranks: int) -> None:
     if nranks < 1 or nranks > 8:
         raise ValueError(f"cuda backend: {nranks} ranks (1..8 with kccl cuda_ipc)")
     cfg.lanes_of_rank(0, nranks)
-    if nranks > 1 and cfg.use_comm and cfg.use_early_comm and cfg.num_hidden_layers <= cfg.broadcast_delay:
-        raise ValueError("cuda backend: several ranks need num_hidden_layers > broadcast_delay with "
-                         "use_early_comm (the last layer may not be an early all-reduce)")
     if nranks > 1 and depth(cfg) > 16:
         raise ValueError(f"cuda backend: broadcast_delay={cfg.broadcast_delay} needs a kccl ring of "
                          f"{depth(cfg)} slots (16 at most)")
@@ -112,13 +109,22 @@ def schedule(cfg, e0: int = 1, tokens: int = 1):
     return out
 
 
+def all_early(cfg) -> bool:
+    """Every layer is an early all-reduce (delay >= layers): every lane holds the same residual stream, which
+    is tensor parallelism (kog_dist.tp_lanes: a one-lane model seen as N such lanes)."""
+    return bool(cfg.use_comm and cfg.use_early_comm and cfg.broadcast_delay >= cfg.num_hidden_layers)
+
+
 def depth(cfg) -> int:
-    """Ring depth of every tag. The layers' partials travel as LL words with no acks (mk_multirank.cuh, mr_put): a
+    """Ring depth of every tag. All layers early: a rank posts (kind, layer j) only once every rank has read
+    (kind, layer j - 1) (its QKV or W13 norm summed the other kind's layer j - 1 from every rank, which every
+    rank posted after all of its blocks read this kind's layer j - 1), so 2 would do; 6 keeps the final
+    exchange's ring of 6 tokens (mr_final) and margin. The layers' partials travel as LL words with no acks (mk_multirank.cuh, mr_put): a
     rank that posts epoch e of a tag has read, in the block that posts, the rows of layer e - delta from
     every rank, so the blocks owning those rows are in that layer and every lane of every rank is done
     through the layer before it, reads of layer e - 2*delta - 1 included. A ring of 2*delta + 2 leaves
     one layer of margin (docs/monokernel.md "multi-rank"; the CPU tests check it on a model)."""
-    return 2 * cfg.broadcast_delay + 2
+    return 6 if all_early(cfg) else 2 * cfg.broadcast_delay + 2
 
 
 def final_floats(cfg, nranks: int) -> int:

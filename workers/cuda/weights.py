@@ -290,6 +290,8 @@ def kquant_reason(src) -> str | None:
     """Why a source's K-quant layer matrices cannot run as stored (None: they can): rows of whole super-blocks,
     gate and up of one type, one rank."""
     cfg = src.cfg
+    if getattr(src, "tp_ranks", 1) > 1:
+        return f"split over {src.tp_ranks} ranks (K-quants run as stored on one rank)"
     dims = {"hidden_size": cfg.hidden_size, "heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
             "intermediate_size": cfg.intermediate_size}
     for name, v in dims.items():

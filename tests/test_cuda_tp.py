@@ -1,0 +1,205 @@
+"""Tensor parallelism of one-lane (Llama-family) models on the cuda backend: the model seen as N all-early
+lanes (kog_dist/tp_lanes.py) and run by the multi-rank monokernel.
+
+CPU: the numpy engine on the lane view gives the HF-style reference's greedy ids (HF llama with KV heads
+split and replicated, Qwen2 biases, a bf16 tied head, Q8_0 / Q4_0 GGUF), each lane's slices are the
+one-lane tensors' pieces, the multi-rank builds of the view compile, the backend choice and refusals.
+GPU (marker gpu; ranks sharing one GPU need MPS): `kog generate --np N --backend cuda` gives the
+reference's ids and one rank's, greedy and seeded sampling, and the default model's answer.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kog_dist.checkpoint import Model
+from kog_dist.engine import ReferenceEngine
+from kog_dist.formats import open_model
+from kog_dist.models import default_gguf_path
+from kog_dist.tp_lanes import LaneSource, lanes_config
+from workers.factory import choose
+
+from hf_reference import HFLlama, random_hf_tensors, tiny_hf_config, write_gguf, write_hf_dir
+from mpi_helpers import mpi_env
+
+PROMPT = [1, 5, 9, 33, 17, 60]
+SPM = {"tokenizer.ggml.model": "llama"}
+
+
+def _hf(d, seed, **kw):
+    from test_tp import write_tokenizer
+    c = tiny_hf_config(**kw)
+    t = random_hf_tensors(c, seed)
+    write_hf_dir(d, c, t)
+    write_tokenizer(d, c["vocab_size"])
+    return c, t
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import gguf
+    root = tmp_path_factory.mktemp("cuda_tp")
+    out = {}
+    c, t = _hf(str(root / "hf"), 3, num_attention_heads=8, num_key_value_heads=2, vocab_size=97,
+               num_hidden_layers=3, hidden_size=256, intermediate_size=512)
+    out["hf"] = (str(root / "hf"), c, t)
+    cq, tq = _hf(str(root / "qwen2"), 4, model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=97, hidden_size=256, intermediate_size=256)
+    out["qwen2"] = (str(root / "qwen2"), cq, tq)
+    for name, q in (("q8_0", gguf.GGMLQuantizationType.Q8_0), ("q4_0", gguf.GGMLQuantizationType.Q4_0)):
+        p = str(root / f"{name}.gguf")
+        out[name] = (p, c, write_gguf(p, c, t, qtype=lambda hf, q=q: q, fields=SPM))
+    return out
+
+
+def _greedy_numpy(src, n_tokens):
+    m = Model(src)
+    e = ReferenceEngine(m.cfg, m.weights, m.embed)
+    ids, logits = [], e.prefill(PROMPT)
+    for _ in range(n_tokens):
+        ids.append(int(np.argmax(logits)))
+        logits = e.step(ids[-1])
+    m.close()
+    return ids
+
+
+# -- CPU: the lane view is the one-lane model ------------------------------------------------------------
+@pytest.mark.parametrize("which,ns", [("hf", (2, 4, 8)), ("qwen2", (2, 4)), ("q8_0", (2,)), ("q4_0", (4,))])
+def test_lane_view_gives_the_reference_ids(models, which, ns):
+    """8 lanes of a model of 2 KV heads: each KV head replicated in 4 lanes."""
+    path, c, held = models[which]
+    want = HFLlama(c, held).greedy(PROMPT, 10)[0]
+    assert _greedy_numpy(open_model(path, progress=False), 10) == want
+    for n in ns:
+        src = LaneSource(open_model(path, progress=False), n)
+        assert src.cfg.num_lanes == n and src.cfg.broadcast_delay == c["num_hidden_layers"]
+        assert _greedy_numpy(src, 10) == want, n
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_lane_slices_are_the_one_lane_tensors_pieces(models, n):
+    path = models["hf"][0]
+    one, lanes = open_model(path, progress=False), LaneSource(open_model(path, progress=False), n)
+    cfg, hd = one.cfg, one.cfg.head_dim
+    p = "model.layers.1."
+    wq, wk = one.tensor(p + "attention.wq.weight")[0], one.tensor(p + "attention.wk.weight")[0]
+    wo, w2 = one.tensor(p + "attention.wo.weight")[0], one.tensor(p + "feed_forward.w2.weight")[0]
+    lq, lk = lanes.tensor(p + "attention.wq.weight"), lanes.tensor(p + "attention.wk.weight")
+    lo, l2 = lanes.tensor(p + "attention.wo.weight"), lanes.tensor(p + "feed_forward.w2.weight")
+    assert np.array_equal(np.concatenate(list(lq)), wq)                     # heads in lane order
+    assert np.array_equal(np.concatenate(list(lo), axis=1), wo)              # wo's columns likewise
+    assert np.array_equal(np.concatenate(list(l2), axis=1), w2)
+    hpl, g = cfg.num_attention_heads // n, cfg.num_attention_heads // cfg.kv_heads
+    for lane in range(n):   # the KV heads lane l's query heads read, replicated when lanes outnumber them
+        kv = sorted({h // g for h in range(lane * hpl, (lane + 1) * hpl)})
+        assert np.array_equal(lk[lane], np.concatenate([wk[k * hd:(k + 1) * hd] for k in kv]))
+    assert lanes.shape(p + "attention.wo.weight") == (n,) + lo.shape[1:]
+    one.close()
+    lanes.close()
+
+
+def test_lane_config_refuses_in_one_line():
+    c = lanes_config(open_model_cfg(), 2)
+    assert c.use_comm and c.use_early_comm and not c.early_layers_to_future
+    with pytest.raises(ValueError) as e:
+        lanes_config(open_model_cfg(), 3)
+    assert "3 ranks do not divide num_attention_heads=8" in str(e.value) and "\n" not in str(e.value)
+
+
+def open_model_cfg():
+    from kog_dist.config import LaneformerConfig
+    return LaneformerConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128,
+                            vocab_size=100, num_hidden_layers=2)
+
+
+def test_choose_takes_cuda_for_one_lane_over_several_ranks():
+    c = open_model_cfg()
+    kind, note = choose("cuda", 2, True, True, c)
+    assert kind == "cuda" and "tensor-parallel" in note
+    assert choose("auto", 4, True, True, c)[0] == "cuda"
+    assert choose("auto", 2, True, False, c)[0] == "cpu"
+    with pytest.raises(ValueError) as e:
+        choose("cuda", 3, True, True, c)
+    assert "do not divide" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize("shape,n,dtype", [("smollm2-135m", 3, "Q4_1"), ("llama3.2-1b", 2, "BF16"),
+                                           ("qwen2.5-0.5b", 2, "Q8_0")])
+def test_nvcc_compiles_the_tensor_parallel_build(shape, n, dtype, tmp_path):
+    from kog_dist.shapes import shape_config
+    from workers.cuda import build
+    cfg = lanes_config(shape_config(shape), n)
+    src = tmp_path / "mono.cu"
+    src.write_text(build.source())
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "m.ptx"), "-x", "cu", str(src)]
+    cmd += [f"-D{k}={v}" for k, v in build.defines(cfg, dtype, 132 // n, nranks=n).items()]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warning" not in res.stderr.lower(), res.stderr[-3000:]
+
+
+# -- GPU: N ranks of the multi-rank monokernel ------------------------------------------------------------
+def _cuda_missing():
+    try:
+        import cupy as cp
+        return None if cp.cuda.runtime.getDeviceCount() > 0 else "no GPU"
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+
+
+_why = _cuda_missing()
+
+
+def kog_cuda(model, n, *extra, prompt=None, timeout=240):
+    from mpi_helpers import have_mpiexec, shared_gpu_reason
+    if not have_mpiexec():
+        pytest.skip("no mpiexec")
+    why = shared_gpu_reason(n)
+    if why:
+        pytest.skip(why)
+    what = ["--prompt", prompt] if prompt else ["--prompt-ids", ",".join(map(str, PROMPT))]
+    r = subprocess.run([sys.executable, "-m", "kog_cli", "generate", *(["--np", str(n)] if n > 1 else []),
+                        "--backend", "cuda", *(["--model", model] if model else []), *what, "--json", *extra],
+                       capture_output=True, text=True, timeout=timeout, env=mpi_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout)
+    assert out.get("ranks", 1) == n and out["backend"] == "cuda"
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+@pytest.mark.parametrize("which,ns", [("hf", (2, 4, 8)), ("qwen2", (2, 4)), ("q8_0", (2,)), ("q4_0", (4,))])
+def test_generate_np_cuda_gives_the_reference_ids(models, which, ns):
+    path, c, held = models[which]
+    want = HFLlama(c, held).greedy(PROMPT, 12)[0]
+    assert kog_cuda(path, 1, "-n", "12", "--temperature", "0")["token_ids"] == want
+    for n in ns:
+        assert kog_cuda(path, n, "-n", "12", "--temperature", "0")["token_ids"] == want, n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+def test_sampled_ids_same_seed_one_rank_and_two(models):
+    path = models["hf"][0]
+    args = ["-n", "24", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "1234"]
+    one = kog_cuda(path, 1, *args)["token_ids"]
+    assert len(set(one)) > 3
+    assert kog_cuda(path, 2, *args)["token_ids"] == one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+def test_default_model_through_three_cuda_ranks():
+    if not default_gguf_path():
+        pytest.skip("the default model is not fetched (any kog command online fetches it)")
+    q = "What is the capital of France?"
+    one = kog_cuda(None, 1, "-n", "24", "--temperature", "0", prompt=q)
+    three = kog_cuda(None, 3, "-n", "24", "--temperature", "0", prompt=q)
+    assert "Paris" in three["text"]
+    assert three["token_ids"] == one["token_ids"]
