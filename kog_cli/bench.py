@@ -329,9 +329,17 @@ def _check_np(args) -> str | None:
             return str(e).splitlines()[0]
         return None
     try:
-        from kog_dist.config import load_config
+        from kog_dist.tp_lanes import rank_config
         from workers.cuda.multirank import check
-        check(shape_config(args.shape) if args.shape else load_config(args.model), args.nranks)
+        if args.shape:
+            cfg = shape_config(args.shape)
+        else:
+            from kog_dist.formats import open_model
+            from kog_dist.models import resolve_model
+            src = open_model(resolve_model(args.model, say=_say), progress=False)
+            src.close()
+            cfg = src.cfg
+        check(rank_config(cfg, args.nranks), args.nranks)
     except (ValueError, OSError) as e:
         return str(e).splitlines()[0]
     return None

@@ -42,7 +42,9 @@ def run_rank(args, say, emit) -> int:
     from workers.factory import STORE_NAMES
     from kog_dist.shapes import shape_config
     from workers.cuda.device import cupy_copy_bandwidth, device_name
-    from kog_dist.config import load_config
+    from kog_dist.formats import open_model
+    from kog_dist.models import resolve_model
+    from kog_dist.tp_lanes import LaneSource, rank_config
     from workers.cuda import multirank as mr
     from workers.cuda.backend import CudaBackend
     from workers.cuda.build import build
@@ -58,7 +60,13 @@ def run_rank(args, say, emit) -> int:
     ndev = cp.cuda.runtime.getDeviceCount()
     dev = cp.cuda.Device(rank % ndev)
     dev.use()
-    cfg = shape_config(args.shape) if args.shape else load_config(args.model)
+    src = None
+    if args.shape:
+        cfg = rank_config(shape_config(args.shape), n)     # a one-lane shape: as N all-early lanes (tp_lanes)
+    else:                                                  # any format; a one-lane model split as lanes
+        src = open_model(resolve_model(args.model), progress=False)
+        src = LaneSource(src, n) if src.cfg.num_lanes == 1 and n > 1 else src
+        cfg = src.cfg
     mr.check(cfg, n)
     comm = Communicator.create(w, transport="cuda_ipc", **mr.comm_kwargs(cfg, n))
     view = mr.RankView(cfg, rank, n)
@@ -76,7 +84,7 @@ def run_rank(args, say, emit) -> int:
         t0 = time.perf_counter()
         weights = random_weights(view, dtype, k, seed=args.seed)
         log(f"random {args.shape} weights of every rank on its device in {time.perf_counter() - t0:.1f} s")
-    backend = CudaBackend(None if args.shape else args.model, max_seq=min(need, cfg.max_position_embeddings),
+    backend = CudaBackend(src, max_seq=min(need, cfg.max_position_embeddings),
                           num_slots=1, comm=comm, cfg=cfg, weights=weights, nblocks=nb, prefetch=args.prefetch,
                           extra_defines=extra, progress=rank == 0, timing_marks=args.profile,
                           dtype=None if args.shape or args.dtype == "bf16" else dtype)

@@ -32,6 +32,11 @@ def lanes_config(cfg: LaneformerConfig, n: int) -> LaneformerConfig:
                                head_dim_override=cfg.head_dim).validate()
 
 
+def rank_config(cfg: LaneformerConfig, n: int) -> LaneformerConfig:
+    """The config N ranks of the cuda backend run: a one-lane model's lanes_config, a Laneformer as it is."""
+    return lanes_config(cfg, n) if cfg.num_lanes == 1 and n > 1 else cfg
+
+
 class LaneSource:
     """A one-lane tensor source seen as lanes_config(src.cfg, n): lane-first tensors are served as
     [lanes, rows, columns] of each lane's shard (read with the source's block reader: safetensors
