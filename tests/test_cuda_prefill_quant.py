@@ -3,7 +3,8 @@ Q4_0, Q4_1 and kq_to_w / kq_to_f32 for the K-quants, a thread for each 8 weights
 engine's values (kog_dist.formats.quant.dequantize_rows, gguf's dequantizer), fp32 and bf16 alike, from any
 first block and with grids smaller than the work; and after a 600-token prompt the greedy ids are the numpy
 engine's on small quantized GGUF models, with the prompt in one chunk or in chunks of 256, the dequantization
-overlapped on a second stream or not, and on a backend that prefilled another prompt before. Runs on the GPU
+overlapped on a second stream or not, and on a backend that prefilled another prompt before; and in the bf16
+production storage the overlapped prefill leaves the KV cache bit for bit as the one-stream one. Runs on the GPU
 machine: `pytest -m gpu tests/test_cuda_prefill_quant.py` (bench/ttft_gpu.sh runs it); skips without CuPy."""
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ CFG = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_
 QUANT = ("Q8_0", "Q4_0", "Q4_1")
 MIXES = {"Q4_K_M": "Q4_K+Q6_K", "Q5_K_M": "Q5_K+Q6_K"}   # file's mix -> the storage it runs as (default_dtype)
 PROMPT_LEN, GEN = 600, 32
-BUILDS = [q for q in QUANT] + [q + ":F32" for q in QUANT] + ["Q4_K+Q6_K", "Q4_K+Q6_K:F32", "Q5_K+Q6_K:F32"]
+BUILDS = [q + b for q in QUANT + tuple(MIXES.values()) for b in ("", ":F32")]
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +192,37 @@ def test_long_prompt_greedy_matches_numpy_engine(models, name):
                 pytest.fail(f"{name} (chunks of {chunk}, overlap {overlap}, after another prompt {warm}): first "
                             f"difference at token {i}: {got[i]} vs {ref[i]} (reference margin {margins[i]:.2e})")
     finally:
+        src.close()
+
+
+@pytest.mark.parametrize("name", list(QUANT) + list(MIXES))
+def test_overlapped_prefill_writes_the_serial_ones_cache(models, name):
+    """The production storage (bf16 embedding, head and cache; the GEMMs on bf16 dequantized weights): a
+    600-token prefill with the dequantization overlapped on the second stream leaves the KV cache bit for bit
+    as the one-stream prefill does (no layer read a buffer while the next layer was written into it), in one
+    chunk and in chunks of 256, each on a backend that prefilled before."""
+    from kog_dist.backend import RunCommand
+    from kog_dist.formats import open_model
+    from workers.cuda.backend import CudaBackend
+    path, stored = models[name]
+    src = open_model(path, progress=False)
+    b = CudaBackend(src, max_seq=PROMPT_LEN + 8, num_slots=1, progress=False, dtype=stored)
+    try:
+        assert b.dw.base == "BF16" and b.dw.qtype
+        caches = {}
+        for chunk in (2048, 256):
+            for overlap in (True, False, True):
+                b.prefill.max_chunk, b.prefill.overlap = chunk, overlap
+                r = b.run(RunCommand(slot=0, keep=0, append=_prompt(1), max_new_tokens=0))
+                assert r.cached == PROMPT_LEN
+                kc, vc = b.caches[0]
+                got = (cp.asnumpy(kc), cp.asnumpy(vc))
+                first = caches.setdefault(chunk, got)
+                for a, e, what in zip(got, first, "kv"):
+                    assert np.array_equal(a, e), (f"{name}, chunks of {chunk}: the {what} cache of the prefill with "
+                                                  f"overlap {overlap} differs at {np.argwhere(a != e)[:4].tolist()}")
+    finally:
+        b.close()
         src.close()
 
 
