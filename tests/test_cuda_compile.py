@@ -337,3 +337,24 @@ def test_kquant_builds_compile(dt, tmp_path):
                             "-o", str(tmp_path / "k.cubin")] + [f"-D{k}={v}" for k, v in d.items()],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("qw", [1, 2, 3, 4], ids=["Q8_0", "Q4_0", "Q4_1", "K"])
+def test_prefill_dequantizers_compile_to_16_byte_stores(qw, tmp_path):
+    """The prefill's dequantizers of every quantized storage (CFG_QW 1-4) and storage type compile warning-free,
+    and each thread writes its 8 weights in 16-byte stores (two in fp32) from one 8-byte load of quants: a
+    warp's stores are contiguous (issue 52: the old one-block-a-thread q_to_w stored 2 bytes 64 bytes apart)."""
+    import re
+    for wt in (0, 1, 2):
+        ptx = tmp_path / f"p{qw}{wt}.ptx"
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-DCFG_WT={wt}", f"-DCFG_QW={qw}", "-ptx",
+                            os.path.join(CUDA_DIR, "prefill.cu"), "-o", str(ptx)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-3000:]
+        text = ptx.read_text()
+        for name in (("kq_to_w", "kq_to_f32") if qw == 4 else ("q_to_w", "q_to_f32")):
+            body = re.search(r"\.entry " + name + r"\(.*?\n}\n", text, re.S).group(0)
+            stores = [ln for ln in body.splitlines() if "st.global" in ln]
+            assert stores and all("st.global.v4" in ln for ln in stores), (name, wt, stores)
+            assert "ld.global.nc.v2.u32" in body, (name, wt)

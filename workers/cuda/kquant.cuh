@@ -58,29 +58,36 @@ __device__ __forceinline__ void kq_coef(u32 w0, u32 sub, float& alo, float& blo,
   }
 }
 
-// element j (0..31) of chunk c (global chunk index) as gguf.quants computes it: Q4_K / Q5_K (d sc) q - (dmin m),
-// Q6_K (d sc) (q - 32), each product and difference rounded once (no fused multiply-add)
-__device__ __forceinline__ float kq_value(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec,
-                                          int t, long long c, int j) {
-  const unsigned char by = nib[c * 16 + (j & 15)];
-  int q = j < 16 ? (by & 15) : (by >> 4);
-  const unsigned char* r = rec + (c / 8) * KREC;
+// elements 8p..8p+7 (p = 0..3) of chunk c (global chunk index) as gguf.quants computes them: Q4_K / Q5_K
+// (d sc) q - (dmin m), Q6_K (d sc) (q - 32), each product and difference rounded once (no fused
+// multiply-add). A piece is one half of a chunk's 16 nibble bytes (p & 1: bytes 8 (p & 1) ..; p >> 1: the
+// low nibbles, elements 0-15, or the high ones, 16-31) under one scale (hiq = p >> 1) and one high-bit word
+// (Q6_K word p & 1; Q5_K word 0, bits wq + 4 hiq of byte k for element 4 wq + k of a half)
+__device__ __forceinline__ void kq_piece(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec,
+                                         int t, long long c, int p, float* v) {
+  const uint2 w = *reinterpret_cast<const uint2*>(nib + c * 16 + 8 * (p & 1));
+  const unsigned char* r = rec + (c >> 3) * KREC;
   const u32 w0 = *reinterpret_cast<const u32*>(r);
-  const u32 sub = *reinterpret_cast<const u16*>(r + 4 + 2 * (c % 8));
-  const int k = j & 15 & 3, wq = (j & 15) >> 2, hiq = j >= 16;   // byte k of word wq, half hiq
-  if (t == KT_Q5K) {
-    const u32 h = *reinterpret_cast<const u32*>(hb + c * 8);
-    q |= ((h >> (8 * k + wq + 4 * hiq)) & 1) << 4;
-  } else if (t == KT_Q6K) {
-    const u32 h = *reinterpret_cast<const u32*>(hb + c * 8 + 4 * (wq >> 1));
-    q |= ((h >> (8 * k + 4 * (wq & 1) + 2 * hiq)) & 3) << 4;
-  }
+  const u32 sub = *reinterpret_cast<const u16*>(r + 4 + 2 * (c & 7));
+  const int hiq = p >> 1;
+  u32 h = 0;
+  if (t == KT_Q5K) h = *reinterpret_cast<const u32*>(hb + c * 8);
+  else if (t == KT_Q6K) h = *reinterpret_cast<const u32*>(hb + c * 8 + 4 * (p & 1));
   const float d = h2f((u16)(w0 & 0xffffu));
+  float ds, dm = 0.f;
   if (t == KT_Q6K) {
-    const float ds = __fmul_rn(d, (float)(signed char)(hiq ? sub >> 8 : sub & 0xffu));
-    return __fmul_rn(ds, (float)(q - 32));
+    ds = __fmul_rn(d, (float)(signed char)(hiq ? sub >> 8 : sub & 0xffu));
+  } else {
+    ds = __fmul_rn(d, (float)(sub & 0x3fu));
+    dm = __fmul_rn(h2f((u16)(w0 >> 16)), (float)((sub >> 8) & 0x3fu));
   }
-  const float ds = __fmul_rn(d, (float)(sub & 0x3fu));
-  const float dm = __fmul_rn(h2f((u16)(w0 >> 16)), (float)((sub >> 8) & 0x3fu));
-  return __fsub_rn(__fmul_rn(ds, (float)q), dm);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const u32 by = ((k < 4 ? w.x : w.y) >> (8 * (k & 3))) & 0xffu;
+    int q = (int)(hiq ? by >> 4 : by & 15u);
+    const int kb = k & 3, wq = 2 * (p & 1) + (k >> 2);   // element 4 wq + kb of the half
+    if (t == KT_Q5K) q |= (int)((h >> (8 * kb + wq + 4 * hiq)) & 1u) << 4;
+    else if (t == KT_Q6K) q |= (int)((h >> (8 * kb + 4 * (wq & 1) + 2 * hiq)) & 3u) << 4;
+    v[k] = t == KT_Q6K ? __fmul_rn(ds, (float)(q - 32)) : __fsub_rn(__fmul_rn(ds, (float)q), dm);
+  }
 }

@@ -114,7 +114,7 @@ def relayout(blocks, t: str, xp=np):
 
 
 def decode(nib: np.ndarray, hi, rec: np.ndarray, t: str) -> np.ndarray:
-    """The float32 values of this layout (kquant.cuh kq_value; numpy's float32 operations one by one, as
+    """The float32 values of this layout (kquant.cuh kq_piece; numpy's float32 operations one by one, as
     gguf.quants computes them)."""
     n = rec.size // REC
     r = rec.reshape(n, REC)

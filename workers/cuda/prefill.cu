@@ -203,53 +203,86 @@ extern "C" __global__ void w_to_f32(const wt* __restrict__ in, float* out, long 
 }
 
 // ---- quantized layer matrices (CFG_QW, common.cuh's layout) ---------------------------------------
-// blocks [b0, b0 + nb) of quants qb / scales sb as the storage type (the prefill's GEMM operands) or fp32,
-// value for value gguf.quants' dequantization: Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m (no fused multiply-add)
+// The prefill's GEMM operands: a layer's matrices dequantized into a scratch of the storage type (or fp32),
+// value for value gguf.quants' dequantization. A thread makes one piece of 8 consecutive weights (a quarter
+// of a 32-weight block) from one 8-byte load of quants and its block's scale, and stores them in 16 bytes
+// (32 in fp32): a warp's stores are 512 contiguous bytes and its loads 256 (Q8_0) or 128 (Q4_*), where one
+// thread a block (32 weights, 64 bytes of stores 64 bytes apart) left most of every store transaction unused.
+
+// 8 weights as the storage type (or fp32): one 16-byte store (two in fp32)
 template <typename T>
-__device__ __forceinline__ void deq_block(const unsigned char* qb, const void* sb, long long b, T* out) {
+__device__ __forceinline__ void st_piece(T* out, const float* v) {
+  if constexpr (sizeof(T) == 4) {
+    reinterpret_cast<float4*>(out)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(out)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint4 r;
+    r.x = (u32)f2w(v[0]) | ((u32)f2w(v[1]) << 16);
+    r.y = (u32)f2w(v[2]) | ((u32)f2w(v[3]) << 16);
+    r.z = (u32)f2w(v[4]) | ((u32)f2w(v[5]) << 16);
+    r.w = (u32)f2w(v[6]) | ((u32)f2w(v[7]) << 16);
+    *reinterpret_cast<uint4*>(out) = r;
+  }
+}
+// weights 8p..8p+7 of block b: Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m (no fused multiply-add). Q4_*: block
+// byte j holds weight j (low nibble) and j + 16 (high), so piece p reads bytes 8 (p & 1) .. and takes the
+// low nibbles (p < 2) or the high ones
+__device__ __forceinline__ void q_piece(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long b,
+                                        int p, float* v) {
   const u32 sc = QSB == 4 ? reinterpret_cast<const u32*>(sb)[b] : (u32)reinterpret_cast<const u16*>(sb)[b];
   const float d = h2f((u16)(sc & 0xffffu)), m = h2f((u16)(sc >> 16));
-  for (int j = 0; j < 32; ++j) {
-    float v;
-    if (QW == 1) {
-      v = __fmul_rn(d, (float)(signed char)qb[b * 32 + j]);
-    } else {
-      const unsigned char by = qb[b * 16 + (j & 15)];
-      const int q = j < 16 ? (by & 15) : (by >> 4);
-      v = QW == 2 ? __fmul_rn(d, (float)(q - 8)) : __fadd_rn(__fmul_rn(d, (float)q), m);
+  if (QW == 1) {
+    const uint2 w = *reinterpret_cast<const uint2*>(qb + b * 32 + 8 * p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      v[k] = __fmul_rn(d, (float)(signed char)(((k < 4 ? w.x : w.y) >> (8 * (k & 3))) & 0xffu));
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(qb + b * 16 + 8 * (p & 1));
+    const int sh = p < 2 ? 0 : 4;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int q = (int)((((k < 4 ? w.x : w.y) >> (8 * (k & 3))) >> sh) & 15u);
+      v[k] = QW == 2 ? __fmul_rn(d, (float)(q - 8)) : __fadd_rn(__fmul_rn(d, (float)q), m);
     }
-    if constexpr (sizeof(T) == 4) out[j] = v;
-    else out[j] = f2w(v);
+  }
+}
+// blocks [b0, b0 + nb) into out [nb * 32]: piece x is weights 8x.. of out (block b0 + x / 4, piece x % 4)
+template <typename T>
+__device__ __forceinline__ void q_pieces(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long b0,
+                                         long long nb, T* __restrict__ out) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nb * 4; x += (long long)gridDim.x * blockDim.x) {
+    float v[8];
+    q_piece(qb, sb, b0 + (x >> 2), (int)(x & 3), v);
+    st_piece(out + x * 8, v);
   }
 }
 extern "C" __global__ void q_to_w(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long b0,
-                                  long long nb, wt* out) {
-  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nb; x += (long long)gridDim.x * blockDim.x)
-    deq_block<wt>(qb, sb, b0 + x, out + x * 32);
+                                  long long nb, wt* __restrict__ out) {
+  q_pieces<wt>(qb, sb, b0, nb, out);
 }
 extern "C" __global__ void q_to_f32(const unsigned char* __restrict__ qb, const void* __restrict__ sb, long long b0,
-                                    long long nb, float* out) {
-  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nb; x += (long long)gridDim.x * blockDim.x)
-    deq_block<float>(qb, sb, b0 + x, out + x * 32);
+                                    long long nb, float* __restrict__ out) {
+  q_pieces<float>(qb, sb, b0, nb, out);
 }
-// K-quant chunks [c0, c0 + nc) of type t (kquant.cuh's layout; chunk c is elements 32c..) as the storage type
-// or fp32, value for value gguf.quants' dequantization (kq_value)
+// K-quant chunks [c0, c0 + nc) of type t (kquant.cuh's layout; chunk c is elements 32c..) into out [nc * 32],
+// a piece of 8 weights a thread (kq_piece), value for value gguf.quants' dequantization
 template <typename T>
-__device__ __forceinline__ void kq_chunks(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec,
-                                          int t, long long c0, long long nc, T* out) {
-  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nc * 32; x += (long long)gridDim.x * blockDim.x) {
-    const float v = kq_value(nib, hb, rec, t, c0 + x / 32, (int)(x % 32));
-    if constexpr (sizeof(T) == 4) out[x] = v;
-    else out[x] = f2w(v);
+__device__ __forceinline__ void kq_pieces(const unsigned char* __restrict__ nib, const unsigned char* __restrict__ hb,
+                                          const unsigned char* __restrict__ rec, int t, long long c0, long long nc,
+                                          T* __restrict__ out) {
+  for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < nc * 4; x += (long long)gridDim.x * blockDim.x) {
+    float v[8];
+    kq_piece(nib, hb, rec, t, c0 + (x >> 2), (int)(x & 3), v);
+    st_piece(out + x * 8, v);
   }
 }
 extern "C" __global__ void kq_to_w(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec, int t,
                                    long long c0, long long nc, wt* out) {
-  kq_chunks<wt>(nib, hb, rec, t, c0, nc, out);
+  kq_pieces<wt>(nib, hb, rec, t, c0, nc, out);
 }
 extern "C" __global__ void kq_to_f32(const unsigned char* nib, const unsigned char* hb, const unsigned char* rec, int t,
                                      long long c0, long long nc, float* out) {
-  kq_chunks<float>(nib, hb, rec, t, c0, nc, out);
+  kq_pieces<float>(nib, hb, rec, t, c0, nc, out);
 }
 __device__ __forceinline__ float roundf_away(float n) {   // gguf.quants.np_roundf: half away from zero
   const float a = fabsf(n), fl = floorf(a);

@@ -4,8 +4,16 @@ Projections are cuBLAS strided-batched GEMMs over the lanes (storage type in, fp
 bf16 and fp16 on the tensor cores, fp32 as plain SGEMM); norms, RoPE + cache append, attention, SiLU and
 the DTP combine are the kernels of prefill.cu. Only the KV cache is the result: the monokernel then feeds
 the last prompt token as its first decode step, so the prefill needs no LM head.
+
+Quantized layer matrices are dequantized a layer at a time into a scratch of the storage type (exactly
+gguf's values: weights.DeviceWeights.dequantize) for the GEMMs. With `overlap` (the default; the
+environment's KOG_PREFILL_OVERLAP=0 turns it off) layer i + 1 is dequantized on a second stream into the
+other of two scratch buffers while layer i computes: events order each dequantization after the GEMMs that
+last read its buffer, and each layer's GEMMs after its dequantization.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -25,7 +33,8 @@ class Prefill:
     its lanes in lane order (the one-rank arithmetic). A slot of the buffer is written again 2 (delta + 1)
     exchanges later, after every rank has passed the barriers that follow its copies."""
 
-    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None, max_seq: int | None = None):
+    def __init__(self, cfg, dw, kernels, max_chunk: int = 2048, rope=None, comm=None, max_seq: int | None = None,
+                 overlap: bool | None = None):
         import cupy as cp
         self.cfg, self.dw, self.k = cfg, dw, kernels
         self.comm = comm if comm is not None and getattr(comm, "size", 1) > 1 else None
@@ -36,6 +45,10 @@ class Prefill:
         self._beta = np.zeros(1, np.float32)
         self._bufs = {}
         self.wdt = DT_CODE[dw.base]   # quantized layer matrices: their dequantization in this type (dw.layer)
+        if overlap is None:
+            overlap = os.environ.get("KOG_PREFILL_OVERLAP", "1") != "0"
+        self.overlap = bool(dw.qtype) and bool(overlap)
+        self._side = None             # (stream, ready events, free events) of the overlapped dequantization
         self.compute = CUBLAS_COMPUTE_32F_PEDANTIC if dw.base == "F32" else CUBLAS_COMPUTE_32F
         self.shared = None   # the multi-rank exchange buffer: made here, at start-up (collective)
         if self.comm is not None:
@@ -90,8 +103,7 @@ class Prefill:
         parts = self._buf("P", (delta + 1, 2, L, T, D), cp.float32) if self.comm is None else None
         grid = lambda n: (int(max(1, min(65535, (n + 255) // 256))),)
         fn["pf_embed"](grid(T * D), (256,), (dw.emb, ids_d, np.int32(T), X))
-        for i in range(N):
-            r = dw.layer(i, self.k)
+        for i, r in self._layers(N):
             # attention
             xn = Xn.reshape(-1)[:L * T * D]
             fn["pf_norm"]((L * T,), (256,), (X, dw.norms[i, 0], xn, np.int32(T)))
@@ -112,6 +124,43 @@ class Prefill:
             hb = Xn.reshape(-1)[:L * T * fl]
             fn["pf_silu"](grid(L * T * fl), (256,), (y, hb, np.int64(L * T * fl)))
             self._combine_kind(i, 1, r["w2"], D, fl, hb, T, parts, X)
+
+    def _layers(self, N: int):
+        """(i, layer i's GEMM operands) for i = 0 .. N - 1, in the order the caller issues the layers' work on
+        the current stream. Plain storage: views of the weights. Quantized, overlapped: layer i + 1's
+        dequantization is issued on the side stream into buffer (i + 1) % 2 when layer i is handed out,
+        after the free event of that buffer (recorded on the main stream once the caller has issued all of
+        layer i - 1's work, which read it; across chunks and prefills alike), and layer i's work waits for
+        the ready event of its buffer. An event never recorded is a no-op to wait on (the first uses)."""
+        cp, dw = self.cp, self.dw
+        if not dw.qtype or not self.overlap:
+            for i in range(N):
+                yield i, dw.layer(i, self.k)
+            return
+        if self._side is None:
+            ev = lambda: [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+            self._side = (cp.cuda.Stream(non_blocking=True), ev(), ev())
+        side, ready, free = self._side
+        main = cp.cuda.get_current_stream()
+
+        def issue(j):
+            s = j % 2
+            side.wait_event(free[s])
+            with side:
+                r = dw.layer(j, self.k, slot=s)
+            ready[s].record(side)
+            return r
+
+        nxt = issue(0)
+        for i in range(N):
+            r = nxt
+            main.wait_event(ready[i % 2])
+            if i + 1 < N:
+                nxt = issue(i + 1)
+            try:
+                yield i, r
+            finally:
+                free[i % 2].record(main)
 
     def _lanes_all(self, slot: int, kind: int, T: int):
         """(byte offset, [LG][T][D] float32 view) of an exchange slot in the shared buffer."""

@@ -21,7 +21,7 @@ class CupyReference:
             if dw.qtype:   # quantized layer matrices: gguf's dequantization, exactly, in float32
                 nb = dw.layer_elems // 32
                 flat = cp.empty(dw.layer_elems, dtype=cp.float32)
-                kernels.fn["q_to_f32"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
+                kernels.fn["q_to_f32"]((max(1, min(4096, (nb * 4 + 255) // 256)),), (256,),   # a thread per 8 weights
                                        (dw.w, dw.ws, np.int64(i * nb), np.int64(nb), flat))
                 self.layers.append(dw.regions(i, flat))
             else:

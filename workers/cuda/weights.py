@@ -195,26 +195,39 @@ class DeviceWeights:
         r0 = e // 256 * kquant.REC
         self.ws[r0:r0 + rec.size] = rec
 
-    def layer(self, i: int, kernels):
+    def layer(self, i: int, kernels, slot: int = 0):
         """Layer i's regions in the storage type: views of the weights, or (quantized matrices) their exact
-        dequantization into a scratch buffer of one layer (the prefill's GEMM operands)."""
+        dequantization into scratch buffer `slot` (0 or 1: the prefill dequantizes the next layer into one
+        while the GEMMs read the other), the prefill's GEMM operands. The kernels go on the current stream."""
         if not self.qtype:
             return self.regions(i)
+        buf = self.scratch(slot)
+        self.dequantize(i, kernels, buf)
+        return self.regions(i, buf)
+
+    def scratch(self, slot: int = 0):
+        """Scratch buffer `slot` of one layer in the storage type (made on first use, kept)."""
         import cupy as cp
         if self._scratch is None:
-            self._scratch = cp.empty(self.layer_elems, dtype=STORAGE_NP[self.base])
+            self._scratch = {}
+        if slot not in self._scratch:
+            self._scratch[slot] = cp.empty(self.layer_elems, dtype=STORAGE_NP[self.base])
+        return self._scratch[slot]
+
+    def dequantize(self, i: int, kernels, out) -> None:
+        """Layer i's quantized matrices into `out` [layer_elems] (storage type), gguf's values exactly:
+        prefill.cu q_to_w / kq_to_w, a thread for each 8 weights (one 16-byte store)."""
+        grid = lambda pieces: (int(max(1, min(1 << 20, (pieces + 255) // 256))),)
         if self.kq:
             for field, _, e0, n in self.field_ranges():
                 c0 = (i * self.layer_elems + e0) // 32
-                kernels.fn["kq_to_w"]((max(1, min(4096, (n + 255) // 256)),), (256,),
+                kernels.fn["kq_to_w"](grid(n // 8), (256,),
                                       (self.w, self.w if self.wh is None else self.wh, self.ws,
                                        np.int32(kquant.KTYPES[self.ktypes[i][field]]), np.int64(c0),
-                                       np.int64(n // 32), self._scratch[e0:e0 + n]))
-            return self.regions(i, self._scratch)
+                                       np.int64(n // 32), out[e0:e0 + n]))
+            return
         nb = self.layer_elems // 32
-        kernels.fn["q_to_w"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
-                             (self.w, self.ws, np.int64(i * nb), np.int64(nb), self._scratch))
-        return self.regions(i, self._scratch)
+        kernels.fn["q_to_w"](grid(nb * 4), (256,), (self.w, self.ws, np.int64(i * nb), np.int64(nb), out))
 
     def put(self, i: int, name: str, lane: int | None, values, kernels) -> None:
         """Write float32 device `values` into region `name` of layer i (one lane's slice, or all lanes):
