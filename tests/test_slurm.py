@@ -110,6 +110,34 @@ def test_serve_sbatch_decodes_and_scancel_stops_every_rank(tmp_path, model):
         kill_all(model_dir)
 
 
+def test_serve_sbatch_splits_a_one_lane_model_by_tensor_parallelism(tmp_path):
+    """A one-lane model (the shape of every Llama-family checkpoint) over 2 Slurm tasks: heads, FFN columns
+    and vocabulary split (docs/tensor-parallel.md), the one-process ids through the control plane."""
+    one = tiny_model(tmp_path / "tiny1", lanes=1)
+    ref = reference_ids(one)
+    ep = tmp_path / "endpoint"
+    job = sbatch(["--ntasks=2", "--overcommit", "--time=10", f"--output={tmp_path}/serve-%j.out"],
+                 tmp_path, [SERVE, "--model", one, "--backend", "cpu", "--max-seq", "256",
+                            "--endpoint-file", str(ep)])
+    out = tmp_path / f"serve-{job}.out"
+    try:
+        def up():
+            if ep.exists():
+                return True
+            if job_state(job) in ("", "COMPLETED", "FAILED", "CANCELLED"):
+                raise AssertionError(f"job {job} ended before serving:\n"
+                                     + (out.read_text() if out.exists() else "(no output)"))
+        wait_for(up, 150, f"job {job}'s control endpoint", poll=0.5)
+        assert sorted(ranks_with(one)) == [0, 1]
+        assert client_generate(ep.read_text().strip()) == ref
+        cancel(job)
+        wait_gone(job, 60)
+        assert "tensor parallel" in out.read_text()
+    finally:
+        cancel(job)
+        kill_all(one)
+
+
 def test_serve_sbatch_ranks_not_dividing_lanes_fail_fast(tmp_path, model):
     model_dir, _ = model
     t0 = time.monotonic()
