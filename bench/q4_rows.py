@@ -5,7 +5,7 @@ Marlin's lop3 / HFMA2 form (fp16 x), llama.cpp's own mmvq kernel shape, for Q4_0
 of the monokernel for scale), over a small sweep of rows a warp (NR), 16-byte loads in flight a lane (UB), threads
 a block (NT), blocks an SM (BPS) and pipelined loads (PIPE). Kernels: bench/q4_rows.cu.
 
-    python3 bench/q4_rows.py --out DIR [--shapes 8b.w13,8b.w2,1b.w13,1b.w2] [--quick] [--reps 15] [--budget 170]
+    python3 bench/q4_rows.py --out DIR [--shapes 8b.w13,8b.w2,1b.w13,1b.w2] [--quick] [--reps 20] [--budget 170]
 
 Shapes (rows, K): 8b.w13 [28672, 4096], 8b.w2 [4096, 14336] (Llama-3.1-8B), 1b.w13 [16384, 2048], 1b.w2
 [2048, 8192] (Llama-3.2-1B). Each is timed as NMAT copies stacked into one tall matrix of >= 320 MB (L2 holds
@@ -191,20 +191,23 @@ def rel(y, r) -> float:
 
 
 # ---- the device run -------------------------------------------------------------------------------------------
-def compile_modules(srcs, outdir: str) -> dict:
-    """Every module compiled by NVRTC in its own process at once (filling CuPy's disk cache), then loaded here
-    (cache hits). Returns (name -> Function or the error text of its module, the first module)."""
+def compile_modules(srcs) -> tuple:
+    """Every module compiled by NVRTC in its own process at once (filling CuPy's disk cache, as
+    workers/cuda/build.prebuild does), then loaded here (cache hits; a module whose child failed compiles here).
+    Returns (name -> Function or the error text of its module, the first module)."""
+    import tempfile
     import cupy as cp
-    paths, procs = [], []
-    for i, (src, g) in enumerate(srcs):
-        p = os.path.join(outdir, "modules", f"m{i}.cu")
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        open(p, "w").write(src)
-        paths.append(p)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--compile-module", p, g[0].name],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    for pr in procs:
-        pr.communicate()
+    with tempfile.TemporaryDirectory() as t:
+        procs = []
+        for i, (src, g) in enumerate(srcs):
+            p = os.path.join(t, f"m{i}.cu")
+            open(p, "w").write(src)
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--compile-module", p, g[0].name],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        failed = sum(pr.communicate()[1] is not None and pr.returncode != 0 for pr in procs)
+    if failed:
+        print(f"[q4_rows] {failed} of {len(procs)} compile processes failed: compiling those here",
+              file=sys.stderr, flush=True)
     fns, first = {}, None
     for src, g in srcs:
         try:
@@ -267,7 +270,8 @@ def arrays_bytes(fmt: str, rows: int, K: int) -> dict:
     return {"q": n // 2, "s": n // 256 * 20}
 
 
-def run_shape(R: Runner, shape: str, cfgs, rng, t_end: float, copy_bw: float) -> list[dict]:
+def run_shape(R: Runner, shape: str, cfgs, rng, t_end: float, copy_bw: float, rows: list) -> None:
+    """Checks, then times, every configuration of one shape; appends a dict a kernel to rows."""
     cp = R.cp
     M, K, kind = SHAPES[shape]
     xh = rng.standard_normal(K).astype(np.float32)
@@ -282,7 +286,6 @@ def run_shape(R: Runner, shape: str, cfgs, rng, t_end: float, copy_bw: float) ->
     dev = {f: {k: cp.asarray(v) for k, v in a.items()} for f, (a, _) in data.items()}
     for a in dev.values():
         a["x8"] = x8
-    rows = []
     yc = cp.zeros(MC, dtype=cp.float32)
     for c in cfgs:
         row = {"shape": shape, "rows": M, "K": K, "form": c.form, "fmt": c.fmt, "nr": c.nr, "ub": c.ub, "nt": c.nt,
@@ -306,13 +309,11 @@ def run_shape(R: Runner, shape: str, cfgs, rng, t_end: float, copy_bw: float) ->
             exact = r8 if c.form in ("dp4a", "mmvq") else r32
             row.update(err=rel(y, exact), err32=rel(y, r32))
             row["ok"] = bool(np.isfinite(row["err"]) and row["err"] < TOL[c.form])
-        except Exception as e:
+        except Exception as e:   # recorded; a sticky CUDA error fails what follows, and main writes what ran
             rows.append({**row, "error": f"check: {type(e).__name__}: {str(e)[:300]}"})
-            if type(e).__module__.startswith("cupy"):
-                raise
             continue
         rows.append(row)
-    del dev
+    dev = None
     # timing: per format, NMAT copies of the shape's matrix stacked into one tall matrix
     for fmt in dict.fromkeys(c.fmt for c in cfgs):
         one = arrays_bytes(fmt, M, K)
@@ -323,7 +324,7 @@ def run_shape(R: Runner, shape: str, cfgs, rng, t_end: float, copy_bw: float) ->
         pool["x8"] = x8
         y = cp.zeros(M * nmat, dtype=cp.float32)
         for row in rows:
-            if row["fmt"] != fmt or "error" in row:
+            if row["shape"] != shape or row["fmt"] != fmt or "error" in row:
                 continue
             c = next(c for c in cfgs if c.name == row["kernel"])
             if time.time() > t_end:
@@ -344,15 +345,12 @@ def run_shape(R: Runner, shape: str, cfgs, rng, t_end: float, copy_bw: float) ->
                 t_one = R.timed(single)
             except Exception as e:
                 row["error"] = f"timing: {type(e).__name__}: {str(e)[:300]}"
-                if type(e).__module__.startswith("cupy"):
-                    raise
                 continue
             row.update(nmat=nmat, bytes=stored, us=t_tall / nmat * 1e6, GBps=stored * nmat / t_tall / 1e9,
                        us_1=t_one * 1e6, GBps_1=stored / t_one / 1e9)
             row["of_copy"] = row["GBps"] * 1e9 / copy_bw
-        del pool, y
+        pool = y = None   # (the closures above are done with them)
         cp.get_default_memory_pool().free_all_blocks()
-    return rows
 
 
 def table(res: dict) -> str:
@@ -361,6 +359,8 @@ def table(res: dict) -> str:
            f"read-only stream {res['read_GBps']:.0f} GB/s; {res['elapsed_s']:.0f} s",
            "| shape | fmt | variant | regs | local B | err | err32 | GB/s | % copy | us | 1-launch GB/s | 1-launch us |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if res.get("fatal"):
+        out.insert(1, f"STOPPED (a CUDA error; the rows below ran): {res['fatal']}")
     for r in res["rows"]:
         v = Cfg(r["form"], r["fmt"], r["K"], r["nr"], r["ub"], r["nt"], r["bps"], r["pipe"]).label()
         head = f"| {r['shape']} | {r['fmt']} | {v} | {r.get('num_regs', '')} | {r.get('local_size_bytes', '')} |"
@@ -394,10 +394,10 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="directory for q4_rows.json / q4_rows.txt / the generated modules")
+    ap.add_argument("--out", help="directory for q4_rows.json and q4_rows.txt")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="the monokernel's configurations and one of each form")
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget", type=float, default=170.0, help="seconds after which the remaining timings are skipped")
     ap.add_argument("--procs", type=int, default=12, help="NVRTC processes (modules)")
     ap.add_argument("--ptxas", action="store_true", help="no GPU: nvcc's registers / spills of every kernel, then exit")
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
     cfgs = {s: sweep(s, a.quick) for s in shapes}
     allc = [c for s in shapes for c in cfgs[s]]
     srcs = module_sources(allc, max(1, min(a.procs, len(allc))))
-    fns, mod0 = compile_modules(srcs, a.out)
+    fns, mod0 = compile_modules(srcs)
     mod0 = mod0 or cp.RawModule(code=open(CU).read(), options=OPTIONS)
     aux = {n: mod0.get_function(n) for n in ("fill_words", "q8_global", "read_stream", "spin")}
     print(f"[q4_rows] {len(allc)} kernels compiled in {time.time() - t_start:.1f} s", file=sys.stderr, flush=True)
@@ -441,15 +441,19 @@ def main(argv=None) -> int:
     R = Runner(fns, aux, nsm, a.reps)
     t = R.timed(lambda k: aux["read_stream"]((nsm * 4,), (512,), (buf, np.int64(buf.size // 16), o)))
     read_bw = buf.size / t
-    del buf
+    buf = None
     cp.get_default_memory_pool().free_all_blocks()
     rng = np.random.default_rng(52)
-    rows = []
-    for s in shapes:
-        rows += run_shape(R, s, cfgs[s], rng, t_start + a.budget, copy_bw)
+    rows, fatal = [], None
+    try:
+        for s in shapes:
+            run_shape(R, s, cfgs[s], rng, t_start + a.budget, copy_bw, rows)
+    except Exception as e:   # a CUDA error is sticky: write what ran
+        fatal = f"{type(e).__name__}: {str(e)[:500]}"
+        print(f"[q4_rows] stopped: {fatal}", file=sys.stderr, flush=True)
     res = {"device": device_name(dev.id), "sms": nsm, "copy_GBps": copy_bw / 1e9, "read_GBps": read_bw / 1e9,
            "elapsed_s": time.time() - t_start, "reps": a.reps, "tall_bytes": TALL_BYTES, "check_rows": MC,
-           "cupy": cp.__version__, "rows": rows}
+           "cupy": cp.__version__, "fatal": fatal, "rows": rows}
     text = table(res)
     print(text, flush=True)
     with open(os.path.join(a.out, "q4_rows.json"), "w") as f:
@@ -460,7 +464,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"[q4_rows] {len(bad)} kernels failed their check or did not run: {', '.join(bad[:12])}",
               file=sys.stderr)
-    return 0
+    return 1 if fatal else 0
 
 
 if __name__ == "__main__":
