@@ -68,6 +68,7 @@ class Model:
         self.tok = load_tokenizer(self.src)
         self.g = compile_format({"type": "json_schema", "schema": schema}, self.tok)
         self.cpu, _ = make_backend("cpu", self.src, max_seq=512, num_slots=1)
+        self.cfg_vocab = self.src.cfg.vocab_size
         self.cuda = {}
 
     def backend(self, dtype):
@@ -112,10 +113,25 @@ def smol():
     m.close()
 
 
-def _same(name, got, ref):
-    if got != ref:
-        i = next((k for k, (a, c) in enumerate(zip(got, ref)) if a != c), min(len(got), len(ref)))
-        pytest.fail(f"{name}: first difference at token {i} of {len(got)} / {len(ref)}: {got[i:i + 4]} vs {ref[i:i + 4]}")
+def _same(name, m, b, got, ref):
+    """got == ref, or a failure that says where and by what margin between the two best allowed logits (the
+    kernel's, replayed with dbg_logits and the grammar's mask there), as the other cuda-vs-numpy tests do."""
+    if got == ref:
+        return
+    i = next((k for k, (a, c) in enumerate(zip(got, ref)) if a != c), min(len(got), len(ref)))
+    margin = float("nan")
+    if i < min(len(got), len(ref)):
+        dbg = cp.zeros((len(got), m.cfg_vocab), cp.float32)
+        b.run(RunCommand(append=list(m.ids), max_new_tokens=len(got), grammar=m.g.matcher(),
+                         stop_ids=tuple(m.tok.eos_ids)), dbg_logits=dbg)
+        g = m.g.matcher()
+        for t in got[:i]:
+            g.accept(t)
+        lg = g.mask(dbg[i].get())
+        top = np.sort(lg[np.isfinite(lg)])[-2:]
+        margin = float(top[-1] - top[0]) if top.size == 2 else float("inf")
+    pytest.fail(f"{name}: first difference at token {i} of {len(got)} / {len(ref)}: {got[i:i + 4]} vs "
+                f"{ref[i:i + 4]} (the kernel's margin between the two best allowed logits there: {margin:.2e})")
 
 
 def test_tiny_greedy_is_the_cpu_backends_and_validates(tiny):
@@ -125,7 +141,7 @@ def test_tiny_greedy_is_the_cpu_backends_and_validates(tiny):
     b = tiny.backend("F32")
     ref = tiny.run(tiny.cpu, tiny.ids, 120)
     got = tiny.run(b, tiny.ids, 120)
-    _same("tiny F32", got.token_ids, ref.token_ids)
+    _same("tiny F32", tiny, b, got.token_ids, ref.token_ids)
     assert got.stop_reason == ref.stop_reason == "eos", (got.stop_reason, tiny.tok.decode(got.token_ids))
     tiny.valid(got)
     assert got.grammar_ms > 0 and got.spec_steps == 0
@@ -258,7 +274,7 @@ def test_default_model_greedy_is_the_cpu_backends_and_validates(smol):
     ref = smol.run(smol.cpu, smol.ids, 120)
     assert ref.stop_reason in ("eos", "stop")
     got = smol.run(smol.backend("Q4_1:F32"), smol.ids, 120)
-    _same("SmolLM2 Q4_1:F32", got.token_ids, ref.token_ids)
+    _same("SmolLM2 Q4_1:F32", smol, smol.backend("Q4_1:F32"), got.token_ids, ref.token_ids)
     assert got.stop_reason == ref.stop_reason
     text = smol.valid(got)
     d = smol.run(smol.backend(None), smol.ids, 120)
