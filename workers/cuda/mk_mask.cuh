@@ -76,7 +76,20 @@ __device__ __forceinline__ int mask_sample(const Params& p, float* sm, int n, bo
   __shared__ int bi[NW];
   float bb = NEG_INF;
   int bidx = 0x7fffffff;
-  for (int v = tid; v < V; v += NT)    // a thread's ids ascending: the first of equal maxima stays
+  // every logit read, 16 bytes at a time and 8 loads in flight (a load only where a bit is set waited for each in
+  // turn: V / NT round trips to L2); a thread's ids ascend, so the first of equal maxima stays
+  constexpr int V4 = V / 4;
+  const float4* lg4 = reinterpret_cast<const float4*>(p.logits);
+#pragma unroll 8
+  for (int q = tid; q < V4; q += NT) {
+    const float4 x = __ldcg(lg4 + q);
+    const u32 b = msk[q >> 3] >> ((q & 7) * 4);   // ids 4q .. 4q + 3: bits 4q & 31 .. of word 4q >> 5
+    if ((b & 1u) && x.x > bb) { bb = x.x; bidx = 4 * q; }
+    if ((b & 2u) && x.y > bb) { bb = x.y; bidx = 4 * q + 1; }
+    if ((b & 4u) && x.z > bb) { bb = x.z; bidx = 4 * q + 2; }
+    if ((b & 8u) && x.w > bb) { bb = x.w; bidx = 4 * q + 3; }
+  }
+  for (int v = 4 * V4 + tid; v < V; v += NT)
     if (allows(v)) {
       const float x = ldf(p.logits + v);
       if (x > bb) { bb = x; bidx = v; }
