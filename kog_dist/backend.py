@@ -50,6 +50,8 @@ class RunResult:
     spec_drafted: int = 0              # draft tokens proposed,
     spec_accepted: int = 0             # and accepted
     grammar_ms: float = 0.0            # structured outputs: the host's time computing and applying masks
+    mask_waits: int = 0                # (cuda) tokens whose sampler waited for the host's mask,
+    mask_wait_ms: float = 0.0          # and how long in all
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -63,6 +65,7 @@ class RunResult:
                 "new_tokens": len(self.token_ids), "stop_reason": self.stop_reason,
                 "spec_steps": self.spec_steps, "spec_drafted": self.spec_drafted,
                 "spec_accepted": self.spec_accepted, "grammar_ms": round(self.grammar_ms, 3),
+                "mask_waits": self.mask_waits, "mask_wait_ms": round(self.mask_wait_ms, 3),
                 "spec_tokens_per_pass": round((self.spec_steps + self.spec_accepted) / self.spec_steps, 3)
                 if self.spec_steps else 0.0}
 

@@ -172,6 +172,20 @@ class Matcher:
         self.tokens += 1
         return out
 
+    def mask_into(self, words: np.ndarray) -> None:
+        """The next token's mask written into `words` (a contiguous 4-byte array of at least len(self.bits) words;
+        bit i & 31 of word i >> 5 set where token i is allowed), not applied: the cuda backend's host-mapped
+        mask, which its kernel applies (workers/cuda/mask.py). GrammarError when the grammar allows nothing."""
+        t = time.perf_counter()
+        n = self.bits.size
+        if words.dtype.itemsize != 4 or words.size < n or not words.flags.c_contiguous:
+            raise ValueError(f"the mask needs {n} contiguous 4-byte words")
+        self.m.unsafe_compute_mask_ptr(words.ctypes.data, n * 4)
+        if not words[:n].any():
+            raise GrammarError(f"the grammar allows no token: {_line(self.m.get_error() or 'dead end')}")
+        self.mask_s += time.perf_counter() - t
+        self.tokens += 1
+
     def allows(self, token: int) -> bool:
         return bool((int(self.bits[token >> 5]) >> (token & 31)) & 1)
 

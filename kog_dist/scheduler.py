@@ -347,6 +347,8 @@ class Scheduler:
             st["spec_tokens_per_pass"] = round((st["spec_steps"] + st["spec_accepted"]) / st["spec_steps"], 3)
         if r.grammar is not None:        # the host's time a token for the mask (structured outputs)
             st["grammar_us_per_token"] = round(float(getattr(res, "grammar_ms", 0.0)) * 1e3 / n, 1) if n else 0.0
+            # (cuda) tokens whose sampler waited for the host's mask, and for how long in all
+            st["mask_waits"], st["mask_wait_ms"] = int(getattr(res, "mask_waits", 0)), float(getattr(res, "mask_wait_ms", 0.0))
         self._record(st, reason)
         if r.params.get("stream") and not r.gone:
             rest = text[len(r.sent_text):] if text.startswith(r.sent_text) else ""

@@ -706,11 +706,14 @@ def test_params_layout_matches_the_backend():
     from workers.cuda.build import source
     src = source()
     body = src[src.index("struct Params {"):src.index("};", src.index("struct Params {"))]
-    words, names, multi = 0, {}, False
+    words, names, multi, mask = 0, {}, False, {}
     for line in body.splitlines()[1:]:
         t = line.strip()
         if t.startswith("#if KOG_NRANKS > 1"):
             multi = True
+            continue
+        if t.startswith("#if CFG_MASK"):    # the one-rank build of structured outputs: its fields in their place
+            multi, end, words = "mask", words, 68
             continue
         if t.startswith("#"):
             continue
@@ -719,8 +722,10 @@ def test_params_layout_matches_the_backend():
             continue
         name, count, comment = m.group(1), int(m.group(3) or 1), int(m.group(4))
         assert comment == words, (name, comment, words)      # the comment says the word index
-        names[name] = (words, multi)
+        (mask if multi == "mask" else names)[name] = (words, multi)
         words += count
+    assert list(mask) == ["mask", "mask_ready", "mask_stat", "mask_wait_ns"] and words == 72
+    words = end
     assert names["rope"] == (57, False) and names["ws"] == (58, False) and names["bias"] == (59, False)
     assert names["spec"] == (60, False) and names["spec_min_ngram"] == (64, False)
     assert names["wh"] == (66, False) and names["kt"] == (67, False)

@@ -21,9 +21,10 @@ import numpy as np
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
 
 from .host import (MAX_EOS, MAX_STOP, N_PARAMS, REASONS, SPEC_MIN_NGRAM, SPEC_PROBE, SPEC_START, SPEC_WORDS,
-                   SW_ACCEPTED, SW_DRAFTED, SW_K, SW_PROBE, SW_STEPS, _KEEP, _Mapped, _cuda_error, counter_lines,
+                   SW_ACCEPTED, SW_DRAFTED, SW_K, SW_PROBE, SW_STEPS, _KEEP, _Mapped, _cuda_error, hang_report,
                    rope_table)
-from .params import ParamWords
+from .mask import masked_build
+from .params import MASK_LAYOUT, ParamWords
 
 
 class CudaBackend(Backend):
@@ -94,6 +95,7 @@ class CudaBackend(Backend):
         self._spec_build = (dtype, prefetch, {**(extra_defines or {}), "CFG_NT": self.k.nthreads},
                             progress is not False)
         self.ks = self.sbuf = None      # the speculative build and its buffers, made at the first such request
+        self.km = self.dmask = None     # the token mask's build (structured outputs) and its mapped words, the same
         if weights is None:
             try:
                 weights = load_checkpoint(src, self.cfg, dtype, progress, view=view, kernels=self.k)
@@ -155,7 +157,7 @@ class CudaBackend(Backend):
             # process's exit frees the mapped buffers
             self.caches = [None] * self.num_slots
             return
-        for m in (self.ring, self.status, self.cancel):
+        for m in (self.ring, self.status, self.cancel) + ((self.dmask,) if self.dmask else ()):
             m.free()
         self.prefill.close()
         self.caches = [None] * self.num_slots
@@ -186,8 +188,8 @@ class CudaBackend(Backend):
         self._timing_token = timing_token
         self._spec_fixed = spec_fixed       # (speculative) every pass drafts this many tokens: its cost
         cp, cfg = self.cp, self.cfg
-        if cmd.grammar is not None:     # the lead decides the in-kernel path (issue 55): refuse, one line
-            raise ValueError("structured outputs run on the cpu backend in this build")
+        if cmd.grammar is not None and self.comm is not None:
+            raise ValueError("structured outputs run on one rank in this build")
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
         clock = Clock()
         held = self.tokens[cmd.slot][:cmd.keep]
@@ -212,10 +214,13 @@ class CudaBackend(Backend):
             return res
         eos = () if ignore_eos else tuple(cfg.eos_token_ids)
         stop = tuple(int(s) for s in cmd.stop_ids)
-        # speculative: verify passes of the last token and up to spec_k drafts (one lane, one rank)
-        spec_k = min(cmd.speculative, self.spec_max - 1) if self.spec_max > 1 else 0
+        if cmd.grammar is not None:     # its end of turn stops the decode, as on the cpu backend
+            stop = tuple(dict.fromkeys(t for t in (*cmd.grammar.grammar.lltok.eos_tokens, *stop) if t not in eos))
+        # speculative: verify passes of the last token and up to spec_k drafts (one lane, one rank); a constrained
+        # request decodes a token at a time, as on the cpu backend (the mask of a draft's successor needs the draft)
+        spec_k = min(cmd.speculative, self.spec_max - 1) if self.spec_max > 1 and cmd.grammar is None else 0
         toks, reason, t_first = self._generate(kc, vc, feed[-1], P - 1, max_new, cmd.sampling, eos, stop, on_token,
-                                               clock, res, dbg_logits, max(0, spec_k), held)
+                                               clock, res, dbg_logits, max(0, spec_k), held, cmd.grammar)
         res.token_ids = toks
         res.stop_reason = reason
         held = held + toks[:-1]
@@ -224,6 +229,7 @@ class CudaBackend(Backend):
         return res
 
     hang_s = 20.0
+    mask_wait_s = 60.0    # the kernel's longest wait for a token's mask (the host computes one in ~50 us)
     cooperative = None
 
     def _step_buffers(self, P: int, nch: int) -> dict:
@@ -267,12 +273,12 @@ class CudaBackend(Backend):
             })
         return self.ks, self.sbuf
 
-    _spec_on = False
+    _spec_on = _mask_on = False
 
     @property
     def _kk(self):
-        """The build this launch runs: the speculative one or the plain one."""
-        return self.ks if self._spec_on else self.k
+        """The build this launch runs: the speculative one, the token mask's or the plain one."""
+        return self.ks if self._spec_on else self.km if self._mask_on else self.k
 
     def _launch(self):
         """cuLaunchCooperativeKernel: the driver refuses the launch unless every block is resident."""
@@ -320,37 +326,10 @@ class CudaBackend(Backend):
         self.cp.cuda.driver.launchKernel(self._kk.mono.kernel.ptr, self.nblocks, 1, 1, self._kk.nthreads, 1, 1,
                                          self._kk.smem_bytes, self.stream.ptr, ctypes.addressof(self._argv), 0)
 
-    def _hang_report(self, seen):
-        """The kernel made no progress for hang_s: if the CUDA context faulted, raise that (several
-        ranks: the communicator's verdict, PeerLost when a peer died); else print the kernel's counters
-        (read on another stream while it runs) and end the process, since a stuck kernel holds the
-        device. Raw runtime calls: no CuPy stream whose destructor would print in a faulted context."""
-        import os
-        import sys
-
-        from kccl.cuda_ipc import context_error, one_line
-        exc = context_error(self.cp.cuda.runtime.getDevice())
-        if exc is not None:
-            if self.comm is not None:
-                raise self.comm.fault(exc, "decode") from exc
-            raise RuntimeError(f"monokernel: CUDA error after {seen} tokens: {one_line(exc)}") from exc
-        rt = self.cp.cuda.runtime
-        host = np.zeros(self.ctr.size, np.uint64)
-        try:
-            s = rt.streamCreateWithFlags(1)
-            rt.memcpyAsync(host.ctypes.data, self.ctr.data.ptr, host.nbytes, 2, s)
-            rt.streamSynchronize(s)
-            rt.streamDestroy(s)
-        except Exception as e:  # noqa: BLE001
-            print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
-        print(f"monokernel hang after {seen} tokens; status {list(self.status.a)}", file=sys.stderr)
-        print("\n".join(counter_lines(host, self.rcfg.num_lanes)), file=sys.stderr, flush=True)
-        os._exit(17)
-
     def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg, spec_k=0, context=None):
         b = self.sbuf if spec_k else self.buf
         ptr = lambda a: 0 if a is None else a.data.ptr
-        p = ParamWords(N_PARAMS)       # by the field names of mk_layout.cuh's struct Params
+        p = ParamWords(N_PARAMS, MASK_LAYOUT) if self._mask_on else ParamWords(N_PARAMS)   # by mk_layout.cuh's names
         for name, a in (("w", self.dw.w), ("norms", self.dw.norms), ("fnorm", self.dw.fnorm), ("emb", self.dw.emb),
                         ("lm", self.dw.lm), ("kc", kc), ("vc", vc), ("ctr", self.ctr), ("sortbuf", self.sortbuf),
                         ("dbg_logits", dbg), ("rope", self.rope), ("ws", self.dw.ws), ("bias", self.dw.bias),
@@ -381,6 +360,8 @@ class CudaBackend(Backend):
         dev_stop, dev_eos = stop[:MAX_STOP], eos[:MAX_EOS]
         p["n_stop"], p["stop_ids"] = len(dev_stop), dev_stop
         p["n_eos"], p["eos_ids"] = len(dev_eos), dev_eos
+        if self._mask_on:
+            self.dmask.params(p, self.mask_wait_s)
         h = p.words
         self._hparams = h              # passed by value at the launch (CFG_PCONST)
         if not self._params_by_value:
@@ -426,13 +407,15 @@ class CudaBackend(Backend):
         self.cancel.a[:] = 0
 
     def _generate(self, kc, vc, first, start_pos, max_new, sp, eos, stop, on_token, clock, res, dbg,
-                  spec_k=0, context=None):
+                  spec_k=0, context=None, grammar=None):
         cp = self.cp
         V = self.cfg.vocab_size
         if spec_k:
             self._spec()
         self._spec_on = bool(spec_k)
+        self._mask_on = grammar is not None
         with self.stream:
+            gm = masked_build(self, grammar) if grammar is not None else None   # (mask.py)
             self._poison(self._spec_on)
             self._params(kc, vc, first, start_pos, max_new, sp, eos, stop, dbg, spec_k, context)
             ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
@@ -452,9 +435,13 @@ class CudaBackend(Backend):
                 while seen < cnt and reason is None:
                     tok = int(ring[seen])
                     if not 0 <= tok < V:
+                        if gm is not None and gm.timed_out():
+                            raise RuntimeError(f"monokernel: no token mask for token {seen} within {self.mask_wait_s} s")
                         raise RuntimeError(f"monokernel: token {seen} not written (read {tok})")
                     seen += 1
                     toks.append(tok)
+                    if gm is not None:   # token n + 1's mask while the kernel runs its forward
+                        gm.advance(tok, tok not in stop_set and tok not in eos_set and len(toks) < max_new)
                     now = clock.ms()
                     if t_first is None:
                         t_first = res.first_token_ms = now
@@ -480,7 +467,7 @@ class CudaBackend(Backend):
                 if self.comm is not None:
                     self._watch(stalled)
                 if stalled > self.hang_s:
-                    self._hang_report(seen)
+                    hang_report(self, seen)
             if self.comm is not None:
                 while not self._done(ev1):   # the host stopped reading: the kernel stops within two tokens
                     self._watch(time.perf_counter() - last_progress)
@@ -496,8 +483,13 @@ class CudaBackend(Backend):
         except Exception as exc:
             if self.comm is not None or _cuda_error(exc):   # the process exits after either
                 _KEEP.append((ev0, ev1))
+            else:   # the host failed (a grammar's error, on_token's): the kernel stops within a token or mask wait
+                self.cancel.a[0] = 1
+                ev1.synchronize()
             raise
         self.last_kernel_ms = cp.cuda.get_elapsed_time(ev0, ev1)
+        if gm is not None:
+            gm.finish(res)
         if spec_k:
             st = self.sbuf["spec"].get()
             res.spec_steps, res.spec_drafted, res.spec_accepted = (int(st[SW_STEPS]), int(st[SW_DRAFTED]),

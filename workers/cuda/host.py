@@ -1,6 +1,6 @@
 """Host-side pieces of the cuda backend (backend.py): the words it shares with the monokernel's layouts
-(speculative pass state, Params, counters, the hang report's reading of them), the RoPE table and
-host-mapped memory."""
+(speculative pass state, Params, counters, the hang report's reading of them and the report itself), the RoPE
+table and host-mapped memory."""
 from __future__ import annotations
 
 import ctypes
@@ -69,3 +69,31 @@ def counter_lines(ctr: np.ndarray, lanes: int) -> list[str]:
     out.append(f"  ticket {int(c[5 * lanes])}; token word: {w >> 32} tokens given, stop {(w >> 24) & 0xff}, "
                f"last token {w & 0xffffff}; cancel {int(c[5 * lanes + 4])}")
     return out
+
+
+def hang_report(b, seen: int) -> None:
+    """CudaBackend b's kernel made no progress for hang_s: if the CUDA context faulted, raise that (several
+    ranks: the communicator's verdict, PeerLost when a peer died); else print the kernel's counters
+    (read on another stream while it runs) and end the process, since a stuck kernel holds the
+    device. Raw runtime calls: no CuPy stream whose destructor would print in a faulted context."""
+    import os
+    import sys
+
+    from kccl.cuda_ipc import context_error, one_line
+    exc = context_error(b.cp.cuda.runtime.getDevice())
+    if exc is not None:
+        if b.comm is not None:
+            raise b.comm.fault(exc, "decode") from exc
+        raise RuntimeError(f"monokernel: CUDA error after {seen} tokens: {one_line(exc)}") from exc
+    rt = b.cp.cuda.runtime
+    host = np.zeros(b.ctr.size, np.uint64)
+    try:
+        s = rt.streamCreateWithFlags(1)
+        rt.memcpyAsync(host.ctypes.data, b.ctr.data.ptr, host.nbytes, 2, s)
+        rt.streamSynchronize(s)
+        rt.streamDestroy(s)
+    except Exception as e:  # noqa: BLE001
+        print(f"monokernel hang: counters unreadable: {e}", file=sys.stderr)
+    print(f"monokernel hang after {seen} tokens; status {list(b.status.a)}", file=sys.stderr)
+    print("\n".join(counter_lines(host, b.rcfg.num_lanes)), file=sys.stderr, flush=True)
+    os._exit(17)

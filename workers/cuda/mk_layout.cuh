@@ -122,6 +122,9 @@ __device__ __forceinline__ int wbuf_fill(float* sm, const wt* src, int nunits, i
   return nb;
 }
 
+#ifndef CFG_MASK
+#define CFG_MASK 0   // 1: structured outputs, the sampler applies the host's token mask (mk_mask.cuh; one rank)
+#endif
 struct Params {   // every field 8 bytes; the one list: params.py reads it and the host packs by name
   const wt* w;                   // 0  layer weights [NL][QKV|WO|W13|W2]
   const float* norms;            // 1  [NL][2][L][D] (attention_norm, ffn_norm)
@@ -173,6 +176,12 @@ struct Params {   // every field 8 bytes; the one list: params.py reads it and t
   const KcclDev* kd;             // 68 CudaCommunicator.dev_ptr
   long long e0[3];               // 69..71 first epoch of this launch on channels attn, mlp, final
   float* yfin;                   // 72 [L*D + 4] this rank's final-norm rows + its cancel word (posted)
+#endif
+#if CFG_MASK
+  const u32* mask;               // 68 host-mapped [MASK_WORDS] the token's allowed ids: bit v & 31 of word v >> 5
+  int* mask_ready;               // 69 host-mapped [2]: masks the host has written (token n's at n + 1); 1 after a timeout
+  u64* mask_stat;                // 70 [4] the sampler's waits for the mask: count, ns, longest ns, timeouts
+  long long mask_wait_ns;        // 71 a wait longer than this ends the generation (as a cancel)
 #endif
 };
 // CFG_PCONST 1: the kernel takes Params by value (__grid_constant__: the words are constant-bank operands

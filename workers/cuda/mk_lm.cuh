@@ -191,6 +191,9 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
 #endif
   const u64 counter = (u64)(p.start_pos + n + 1);
   int next;
+#if CFG_MASK
+  next = mask_sample(p, sm, n, greedy, counter);   // the host's mask applied (mk_mask.cuh); -1: none came
+#else
   if (greedy) {
     // (max logit, lowest index) over the blocks' candidates: every thread one load, a warp then a block
     // reduction (thread 0 alone took 16 rounds of loads)
@@ -248,6 +251,7 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
 #endif
     next = sample_full(p, sm, counter);
   }
+#endif
 #if KOG_NRANKS > 1
   if (mr_bail()) return;                 // an exchange of this token failed: write no token
 #endif
@@ -261,6 +265,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
 #else
     if (!reason && cancel) reason = 4;
 #endif
+#if CFG_MASK
+    const bool none = next < 0;   // no mask came (mask_fetch): the generation ends with no token, -1 in the ring
+    if (none) { reason = 4; next = 0; }
+#endif
     // the blocks first (the embedding row they read next into L2), then the host's ring and status, whose
     // system fence waits for the ring's write over PCIe: off the blocks' path
     prefetch_l2(p.emb + (long long)next * D, (long long)D * sizeof(wt), D * sizeof(wt));
@@ -270,6 +278,9 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     volatile int* ring = p.ring;
     volatile int* st = p.status;
     ring[n] = next;
+#if CFG_MASK
+    if (none) ring[n] = -1;
+#endif
     __threadfence_system();
     st[0] = n + 1;
     if (reason) {

@@ -24,6 +24,7 @@
 //   mk_wo.cuh         phase WO (wo_stage_combine, phase_wo)
 //   mk_w13.cuh        phase W13 (phase_w13)
 //   mk_w2.cuh         phase W2 (phase_w2)
+//   mk_mask.cuh       CFG_MASK 1: the host's token mask, waited for and applied by the sampler (structured outputs)
 //   mk_lm.cuh         the LM head and sampling (sample_full, phase_lm)
 //   mk_spec.cuh       CFG_SPEC > 0: the layers' phases of a verify pass of up to CFG_SPEC positions (its row
 //                     loops in mk_spec_rows.cuh, included by it)
@@ -45,10 +46,14 @@ using namespace cfg;
 #include "mk_wo.cuh"
 #include "mk_w13.cuh"
 #include "mk_w2.cuh"
+#if CFG_MASK
+#include "mk_mask.cuh"
+#endif
 #include "mk_lm.cuh"
 #ifndef CFG_SPEC
 #define CFG_SPEC 0          // > 0: the speculative verify passes of up to CFG_SPEC positions (mk_spec.cuh)
 #endif
+static_assert(!(CFG_SPEC && CFG_MASK), "a constrained request decodes a token at a time (no verify pass)");
 #if CFG_SPEC
 static_assert(QW != 4, "the K-quants have no verify pass (the host decodes them without speculation)");
 #include "mk_spec.cuh"

@@ -14,18 +14,27 @@ _FIELD = re.compile(r"(?:const\s+)?(long long|\w+)\s*(\*?)\s*(\w+)(?:\[(\d+)\])?
 _KINDS = {"long long": "i64", "double": "f64", "u64": "u64"}
 
 
-def read_layout(text: str | None = None) -> dict[str, tuple[int, int, str]]:
-    """name -> (first word, words, kind "u64" | "i64" | "f64"), in the struct's order; the fields under
-    `#if KOG_NRANKS > 1` are included (the host fills them for several ranks only)."""
+def read_layout(text: str | None = None, skip: tuple = ("CFG_MASK",)) -> dict[str, tuple[int, int, str]]:
+    """name -> (first word, words, kind "u64" | "i64" | "f64"), in the struct's order. The fields under an
+    `#if COND` whose COND is in `skip` are left out (they take no words: that build compiles them out); the
+    others are included, so the default layout has the fields of `#if KOG_NRANKS > 1` (the host fills them for
+    several ranks only) and not those of `#if CFG_MASK` (the one-rank build of structured outputs, which comes
+    in their place: MASK_LAYOUT)."""
     if text is None:
         with open(HEADER) as f:
             text = f.read()
     start = text.index("struct Params {")
     body = text[start:text.index("};", start)]
-    out, word = {}, 0
+    out, word, cond = {}, 0, None
     for line in body.splitlines()[1:]:
         code = line.split("//")[0].strip()
-        if not code or code.startswith("#"):
+        if code.startswith("#if"):
+            cond = code[3:].strip()
+            continue
+        if code.startswith("#endif"):
+            cond = None
+            continue
+        if not code or code.startswith("#") or cond in skip:
             continue
         m = _FIELD.match(code)
         if not m:
@@ -40,6 +49,7 @@ def read_layout(text: str | None = None) -> dict[str, tuple[int, int, str]]:
 
 
 LAYOUT = read_layout()
+MASK_LAYOUT = read_layout(skip=("KOG_NRANKS > 1",))   # CFG_MASK 1 (one rank): its fields after the common ones
 
 
 class ParamWords:
