@@ -29,7 +29,8 @@ def test_sweep_names_are_unique_and_hold_the_monokernels_configurations():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_every_kernel_compiles_for_sm90_without_spills():
-    cfgs = [c for s in q4.SHAPES for c in q4.sweep(s)]
+    # the quick sweep in CI (each form and knob once a shape); `python3 bench/q4_rows.py --ptxas` reports all
+    cfgs = sorted({c for s in q4.SHAPES for c in q4.sweep(s, quick=True)}, key=lambda c: c.name)
     rep = q4.ptxas_report(cfgs, jobs=2)
     assert set(rep) >= {c.name for c in cfgs}
     spills = {n: r for n, r in rep.items() if r["spill_stores"] or r["spill_loads"]}
