@@ -254,7 +254,9 @@ def test_kog_serve_response_format_on_the_cuda_backend(tiny):
     import urllib.request
     from serve_helpers import Serve
     with Serve("--model", tiny.path, "--backend", "cuda", "--max-seq", "512", timeout=240) as s:
-        body = {"model": "m", "prompt": "Give a person as JSON: ", "max_tokens": 120, "temperature": 0,
+        with urllib.request.urlopen(s.url + "/v1/models", timeout=30) as resp:   # the served id (folder name)
+            served = json.loads(resp.read())["data"][0]["id"]
+        body = {"model": served, "prompt": "Give a person as JSON: ", "max_tokens": 120, "temperature": 0,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
         req = urllib.request.Request(s.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
