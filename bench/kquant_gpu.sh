@@ -2,7 +2,7 @@
 # Issue 52 on the GPU machine, one call: the K-quant GPU tests, then `kog bench` rows of every storage of the
 # llama3.1-8b and llama3.2-1b shapes (random weights made on the device; copy bandwidth measured in the same
 # run). From the repo root with the wheels in .whl (../shared/tools/device-wheels.sh gguf==0.19.0
-# starlette==1.10.0 uvicorn==0.54.0). STEPS picks steps (default "tests prebuild 8b real8b 1b"; also "ab"); DT8 / DT1 the
+# starlette==1.10.0 uvicorn==0.54.0). STEPS picks steps (default "tests prebuild 8b real8b 1b"; also "ab" with ABS="DEFINE=V ..." and DTAB); DT8 / DT1 the
 # --dtype lists; logs and JSON reports under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kquant_gpu}
@@ -34,10 +34,12 @@ real8b)   # a Q4_K_M file of the llama3.1-8b shape (kog checkpoint tiny's llama.
             > "$OUT/real8b_write.log" 2>&1
           timeout 130 $BENCH --model /tmp/l8-q4km.gguf > "$OUT/bench_real8b.json" 2> "$OUT/bench_real8b.log"
           tail -4 "$OUT/bench_real8b.log" | tee -a "$OUT/summary.txt"; rm -f /tmp/l8-q4km.gguf ;;
-ab)       for q in ${QUBS:-12 16}; do   # loads in flight a lane in the quantized row loops (CFG_QUB; default 8)
-            timeout 150 $BENCH --shape llama3.1-8b --dtype "${DTAB:-q4_k_m}" --define CFG_QUB=$q \
-              > "$OUT/bench_ab_qub$q.json" 2> "$OUT/bench_ab_qub$q.log"
-            echo "CFG_QUB=$q: $(grep -h '^.*tg:' "$OUT/bench_ab_qub$q.log" | tail -1)" | tee -a "$OUT/summary.txt"
+ab)       for v in base ${ABS:-CFG_QUB=12 CFG_QUB=16}; do   # A/B of defines (CFG_QUB: loads in flight a lane in the
+            # quantized row loops, default 8; CFG_PF: the L2 prefetch a block, bytes), the default build first
+            d=$([ "$v" = base ] || echo "--define $v")
+            timeout 150 $BENCH --shape llama3.1-8b --dtype "${DTAB:-q4_k_m}" $d \
+              > "$OUT/bench_ab_$v.json" 2> "$OUT/bench_ab_$v.log"
+            echo "$v: $(grep -h 'tg' "$OUT/bench_ab_$v.log" | tail -1)" | tee -a "$OUT/summary.txt"
           done ;;
 esac; done
 python3 - "$OUT" <<'PY'
