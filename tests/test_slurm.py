@@ -74,21 +74,33 @@ def model(tmp_path_factory):
     return m, reference_ids(m)
 
 
-def test_serve_sbatch_decodes_and_scancel_stops_every_rank(tmp_path, model):
-    model_dir, ref = model
+def serve_job(tmp_path, model_dir):
+    """serve.sbatch on 2 tasks (cpu backend) until its control endpoint is up: (job, endpoint file, output)."""
     ep = tmp_path / "endpoint"
     job = sbatch(["--ntasks=2", "--overcommit", "--time=10", f"--output={tmp_path}/serve-%j.out"],
                  tmp_path, [SERVE, "--model", model_dir, "--backend", "cpu", "--max-seq", "256",
                             "--endpoint-file", str(ep)])
     out = tmp_path / f"serve-{job}.out"
+
+    def up():
+        if ep.exists():
+            return True
+        if job_state(job) in ("", "COMPLETED", "FAILED", "CANCELLED"):
+            raise AssertionError(f"job {job} ended before serving:\n"
+                                 + (out.read_text() if out.exists() else "(no output)"))
     try:
-        def up():
-            if ep.exists():
-                return True
-            if job_state(job) in ("", "COMPLETED", "FAILED", "CANCELLED"):
-                raise AssertionError(f"job {job} ended before serving:\n"
-                                     + (out.read_text() if out.exists() else "(no output)"))
         wait_for(up, 150, f"job {job}'s control endpoint", poll=0.5)
+    except BaseException:
+        cancel(job)
+        kill_all(model_dir)
+        raise
+    return job, ep, out
+
+
+def test_serve_sbatch_decodes_and_scancel_stops_every_rank(tmp_path, model):
+    model_dir, ref = model
+    job, ep, out = serve_job(tmp_path, model_dir)
+    try:
         endpoint = ep.read_text().strip()
         assert endpoint.startswith("tcp://127.0.0.1:")
         ranks = ranks_with(model_dir)
@@ -115,19 +127,8 @@ def test_serve_sbatch_splits_a_one_lane_model_by_tensor_parallelism(tmp_path):
     and vocabulary split (docs/tensor-parallel.md), the one-process ids through the control plane."""
     one = tiny_model(tmp_path / "tiny1", lanes=1)
     ref = reference_ids(one)
-    ep = tmp_path / "endpoint"
-    job = sbatch(["--ntasks=2", "--overcommit", "--time=10", f"--output={tmp_path}/serve-%j.out"],
-                 tmp_path, [SERVE, "--model", one, "--backend", "cpu", "--max-seq", "256",
-                            "--endpoint-file", str(ep)])
-    out = tmp_path / f"serve-{job}.out"
+    job, ep, out = serve_job(tmp_path, one)
     try:
-        def up():
-            if ep.exists():
-                return True
-            if job_state(job) in ("", "COMPLETED", "FAILED", "CANCELLED"):
-                raise AssertionError(f"job {job} ended before serving:\n"
-                                     + (out.read_text() if out.exists() else "(no output)"))
-        wait_for(up, 150, f"job {job}'s control endpoint", poll=0.5)
         assert sorted(ranks_with(one)) == [0, 1]
         assert client_generate(ep.read_text().strip()) == ref
         cancel(job)
