@@ -113,16 +113,18 @@ def test_lane_skew_only_where_measured():
 
 def test_prefetch_follows_the_rank_count():
     """CFG_PF defaults to the measured bytes (64 KB for one rank, 32 KB for two: a rank's phases are 1/N of
-    the model's; 32 KB for one-lane models on one rank) and stays at 64 KB for the unmeasured rank counts; an
-    explicit prefetch or define wins."""
+    the model's; 32 KB for one-lane models on one rank, none where their layer matrices are quantized) and stays
+    at 64 KB for the unmeasured rank counts; an explicit prefetch or define wins."""
     from kog_dist.shapes import shape_config
     from workers.cuda.build import defines
     big = shape_config("2b")
     assert {n: defines(big, "BF16", 128, nranks=n)["CFG_PF"] for n in (1, 2, 4, 8)} == \
         {1: 65536, 2: 32768, 4: 65536, 8: 65536}
     for name in ("llama3.2-1b", "smollm2-135m", "qwen2.5-0.5b"):
-        for dt in ("BF16", "q4_0"):
-            assert defines(shape_config(name), dt, 132)["CFG_PF"] == 32768, (name, dt)
+        assert defines(shape_config(name), "BF16", 132)["CFG_PF"] == 32768, name
+        for dt in ("Q4_0", "Q4_1", "Q8_0", "Q4_K+Q6_K", "Q4_0:F32"):
+            assert defines(shape_config(name), dt, 132)["CFG_PF"] == 0, (name, dt)
+    assert defines(big, "Q4_0", 128)["CFG_PF"] == 65536       # several lanes: as bf16
     assert defines(shape_config("llama3.2-1b"), "BF16", 132, 65536)["CFG_PF"] == 65536
     assert defines(big, "BF16", 128, 4096, nranks=2)["CFG_PF"] == 4096
     assert defines(big, "BF16", 128, nranks=2, extra={"CFG_PF": 0})["CFG_PF"] == 0

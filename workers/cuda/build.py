@@ -31,7 +31,8 @@ def defines(cfg, dtype: str, nblocks: int, prefetch: int | None = None, extra: d
     `kog bench --profile`; 1.4% slower on one H200, so the decode build leaves them out)."""
     sw = cfg.sliding_window or 0
     if prefetch is None:
-        prefetch = prefetch_bytes(nranks, cfg.num_lanes)
+        from .weights import split_dtype
+        prefetch = prefetch_bytes(nranks, cfg.num_lanes, split_dtype(dtype)[0] is not None)
     if nranks > 1:
         from .multirank import defines as mr_defines
         d = defines(cfg, dtype, nblocks, prefetch, None, marks=marks)
@@ -117,7 +118,7 @@ def qkv_loads(nranks: int = 1) -> int:
     return 24 if nranks <= 2 else 12
 
 
-def prefetch_bytes(nranks: int = 1, num_lanes: int = 8) -> int:
+def prefetch_bytes(nranks: int = 1, num_lanes: int = 8, quantized: bool = False) -> int:
     """CFG_PF: bytes of its next weights each block asks L2 for before it waits. A rank's phases are 1/N of
     the model's, so a rank of several needs less. Measured (the sizes tried and their runs:
     docs/lab/benchmarks-2026-11.md for the 2B shape, BENCHMARKS.md "Results of 2026-12-05 (twenty-ninth
@@ -126,7 +127,12 @@ def prefetch_bytes(nranks: int = 1, num_lanes: int = 8) -> int:
     - one-lane models: 32 KB (Llama-3.2-1B bf16 +2.8%, Q4_0 +1.7% against 64 KB; 16-24 KB level, 48 KB
       between; SmolLM2-135M level from 32 to 256 KB);
     - two ranks, one GPU each: 32 KB (48 / 64 KB and none slower, 16 / 24 KB level);
-    - more ranks: 64 KB as before, since no machine of 4 or 8 GPUs was lent to measure a smaller size."""
+    - more ranks: 64 KB as before, since no machine of 4 or 8 GPUs was lent to measure a smaller size;
+    - one-lane models with quantized layer matrices: none (H100, 2026-12-07, against 32 KB: llama3.1-8b Q4_0
+      +4.7%, Q4_K_M +2.5-3.7%, llama3.2-1b Q4_0 +1.0%, Q4_K_M +2.3%, SmolLM2 Q4_1 +1.0%; bf16 8B -2.1%, so
+      bf16 keeps 32 KB)."""
+    if nranks == 1 and num_lanes == 1 and quantized:
+        return 0
     return 32768 if nranks == 2 or (nranks == 1 and num_lanes == 1) else 65536
 
 
@@ -319,6 +325,7 @@ def prebuild(items, nblocks: int | None = None, prefetch: int | None = None, pro
     import subprocess
     import json
     import cupy as cp
+    from .weights import split_dtype
     t0 = time.perf_counter()
     root = os.path.dirname(os.path.dirname(HERE))
     env = dict(os.environ)
@@ -326,7 +333,8 @@ def prebuild(items, nblocks: int | None = None, prefetch: int | None = None, pro
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     procs = [subprocess.Popen([sys.executable, "-c", _PREBUILD, json.dumps(it[0].to_dict()), it[1],
                                str(nblocks or default_blocks(it[0], sms)),
-                               str(prefetch if prefetch is not None else prefetch_bytes(1, it[0].num_lanes)),
+                               str(prefetch if prefetch is not None else
+                                   prefetch_bytes(1, it[0].num_lanes, split_dtype(it[1])[0] is not None)),
                                str(it[2] if len(it) > 2 else 0),
                                json.dumps(it[3] if len(it) > 3 else {})],
                               env=env)
