@@ -78,7 +78,7 @@ def model_split(model: str, nranks: int) -> list[str]:
     if nranks == 1:
         return [f"model {os.path.basename(model)}: one lane, on one rank"]
     out = [f"model {os.path.basename(model)}: one lane (H {cfg.num_attention_heads}, KV {cfg.kv_heads}, "
-           f"F {cfg.intermediate_size}, V {cfg.vocab_size}), tensor parallel over {nranks} ranks (cpu backend)"]
+           f"F {cfg.intermediate_size}, V {cfg.vocab_size}), tensor parallel over {nranks} ranks"]
     for r in range(nranks):
         p = tp_plan(cfg, r, nranks)
         out.append(f"  rank {r}: heads {p.heads.start}..{p.heads.stop - 1}, KV heads {p.kv.start}..{p.kv.stop - 1}"
