@@ -51,11 +51,14 @@ def run_under_mpiexec(a) -> int:
     tok = load_tokenizer(src)
     if a.backend == "cuda" and a.nranks > 1:
         choose("cuda", a.nranks, True, True, cfg)     # the multi-rank kernel's rules, refused in one line
+    if getattr(a, "json_schema", None):
+        a.json_schema = os.path.abspath(a.json_schema)   # read again by rank 0 of the job
     build_request(a, cfg, tok, resolve(a.backend))   # bad input fails here, before any rank starts
     check_rank_count(cfg, a.nranks)               # and so does a rank count the model cannot split into
     src.close()
     req = {k: getattr(a, k) for k in ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k",
-                                      "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system", "speculative")}
+                                      "top_p", "seed", "stop_ids", "max_seq", "json", "raw", "system", "speculative",
+                                      "json_schema")}
     try:   # MPICH's mpiexec, Open MPI's mpirun (with its root and oversubscribe flags), or srun
         cmd = build_command(detect(), a.nranks, [
             sys.executable, "-m", "workers", "--model", a.model, "--backend", a.backend,

@@ -18,23 +18,31 @@ class RunCommand:
     stop_ids: tuple = ()
     speculative: int = 0               # prompt-lookup draft tokens a verify pass at most (0: plain decode)
     grammar: object = None             # a kog_dist.grammar.Matcher: the tokens it forbids are masked before
-                                       # each draw (in-process only: never on the wire)
+                                       # each draw (on the wire: its format, compiled again by each rank)
 
     def to_wire(self) -> dict:
-        if self.grammar is not None:
-            raise ValueError("structured outputs run on one rank in this build")
         s = self.sampling
         return {"slot": self.slot, "keep": self.keep, "append": [int(i) for i in self.append],
                 "max_new_tokens": self.max_new_tokens, "stop_ids": [int(i) for i in self.stop_ids],
                 "temperature": float(s.temperature), "top_k": int(s.top_k), "top_p": float(s.top_p),
-                "seed": int(s.seed), "speculative": int(self.speculative)}
+                "seed": int(s.seed), "speculative": int(self.speculative),
+                "grammar": self.grammar.grammar.format if self.grammar is not None else None}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "RunCommand":
+    def from_wire(cls, d: dict, tokenizer=None) -> "RunCommand":
+        """`tokenizer` (or a callable giving it) compiles the command's grammar, if it has one: every rank
+        then masks with its own matcher of the same format, fed the same tokens."""
+        grammar = None
+        if d.get("grammar") is not None:
+            from kog_dist.grammar import compile_format
+            tok = tokenizer() if callable(tokenizer) else tokenizer
+            if tok is None:
+                raise ValueError("a command with a grammar needs the model's tokenizer on this rank")
+            grammar = compile_format(d["grammar"], tok).matcher()
         return cls(slot=d["slot"], keep=d["keep"], append=list(d["append"]),
                    max_new_tokens=d["max_new_tokens"], stop_ids=tuple(d["stop_ids"]),
                    sampling=SamplingParams(d["temperature"], d["top_k"], d["top_p"], d["seed"]),
-                   speculative=d.get("speculative", 0))
+                   speculative=d.get("speculative", 0), grammar=grammar)
 
 
 @dataclass

@@ -143,10 +143,11 @@ def _validate(fmt, src, lt) -> None:
         raise GrammarError(f"{what} in the {fmt['type'].replace('_', ' ')}: {msg}")
 
 
-def apply_bitmask(logits: np.ndarray, bits: np.ndarray) -> np.ndarray:
-    """A copy of logits (its dtype) with -inf where bit i of the packed int32 mask is 0: one pass to unpack the
-    bits, one to write the row."""
-    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little", count=logits.shape[-1]).view(bool)
+def apply_bitmask(logits: np.ndarray, bits: np.ndarray, v0: int = 0) -> np.ndarray:
+    """A copy of logits (its dtype) of vocabulary rows v0.. with -inf where bit i of the packed int32 mask is 0:
+    one pass to unpack the bits, one to write the row."""
+    n = logits.shape[-1]
+    allowed = np.unpackbits(bits.view(np.uint8), bitorder="little", count=v0 + n)[v0:].view(bool)
     return np.where(allowed, logits, logits.dtype.type(-np.inf))
 
 
@@ -161,13 +162,14 @@ class Matcher:
         self.bits = np.zeros((grammar.lltok.vocab_size + 31) // 32, dtype=np.int32)
         self.mask_s, self.tokens = 0.0, 0
 
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """A masked copy of one row of logits (its own dtype): only the tokens the grammar allows stay."""
+    def mask(self, logits: np.ndarray, v0: int = 0) -> np.ndarray:
+        """A masked copy of one row of logits (its own dtype) of vocabulary rows v0.. (a tensor-parallel shard's;
+        0: the whole vocabulary): only the tokens the grammar allows stay."""
         t = time.perf_counter()
         self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         if not self.bits.any():              # nothing allowed: only a broken grammar gets here
             raise GrammarError(f"the grammar allows no token: {_line(self.m.get_error() or 'dead end')}")
-        out = apply_bitmask(np.asarray(logits), self.bits)
+        out = apply_bitmask(np.asarray(logits), self.bits, v0)
         self.mask_s += time.perf_counter() - t
         self.tokens += 1
         return out

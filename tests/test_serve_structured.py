@@ -160,9 +160,27 @@ def test_protocol_response_format_json_schema_and_lark(worker):
         assert e.value.code == "bad_request" and words in str(e.value), str(e.value)
 
 
-def test_a_grammar_never_goes_on_the_wire():
-    """Several ranks would each need the matcher's state: the command refuses to be sent (one line), so a
-    constrained request to a multi-rank job is a bad_request, not a desynchronised decode."""
+def test_a_grammar_travels_as_its_format_and_each_rank_compiles_its_own():
+    """A command for several ranks carries the grammar's format; from_wire compiles a fresh matcher with the rank's
+    tokenizer, whose masks follow the original's token for token; without a tokenizer it refuses in one line."""
+    import numpy as np
     from kog_dist.backend import RunCommand
-    with pytest.raises(ValueError, match="one rank"):
-        RunCommand(append=[1], grammar=object()).to_wire()
+    from kog_dist.formats import open_model
+    from kog_dist.grammar import compile_format
+    from kog_dist.tokenizer import load_tokenizer
+    src = open_model(SMOL_GGUF, progress=False)
+    tok = load_tokenizer(src)
+    src.close()
+    fmt = _fmt({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    cmd = RunCommand(append=[1], max_new_tokens=8, grammar=compile_format(fmt, tok).matcher())
+    wire = cmd.to_wire()
+    assert wire["grammar"] == cmd.grammar.grammar.format
+    got = RunCommand.from_wire(wire, lambda: tok)
+    assert got.grammar is not cmd.grammar and RunCommand.from_wire(RunCommand(append=[1]).to_wire()).grammar is None
+    logits = np.zeros(tok.vocab_size, np.float32)
+    for t in tok.encode('{"n": 42}'):
+        a, b = cmd.grammar.mask(logits), got.grammar.mask(logits)
+        assert np.array_equal(a, b) and np.isfinite(a[t])
+        assert cmd.grammar.accept(t) and got.grammar.accept(t)
+    with pytest.raises(ValueError, match="tokenizer"):
+        RunCommand.from_wire(wire)

@@ -25,6 +25,8 @@ CPU_FIRST_DRAFT = 4
 
 
 class CpuBackend(Backend):
+    grammar_on_ranks = True       # several ranks: each masks with its own matcher (workers/rank.py)
+
     def __init__(self, cfg, weights, embed, lanes=None, exchange=None, max_seq=None, num_slots=4,
                  agree=None, prefill_chunk=None, fast: bool = True, tp=None):
         """`agree(flag) -> bool` makes every rank take rank 0's decision to go on (None: one rank).
@@ -95,7 +97,9 @@ class CpuBackend(Backend):
         g = cmd.grammar             # structured outputs: mask, draw, advance; without speculation (one token a step)
         if g is not None:
             stop |= set(g.grammar.lltok.eos_tokens)
-        draw = self.sample if g is None else (lambda lg, sp, counter: _draw_masked(g, lg, sp, counter))
+        v0 = self.tp.v0 if self.tp is not None else 0       # tensor parallel: logits of vocabulary rows v0..
+        draw = self.sample if g is None else (lambda lg, sp, counter: _draw_masked(g, lg, sp, counter,
+                                                                                   self.sample, v0))
         verify = self._verify() if speculative > 0 and g is None else None
         if speculative <= 0 or g is not None:
             drafts, min_ngram = None, 1
@@ -152,9 +156,10 @@ class CpuBackend(Backend):
         return res
 
 
-def _draw_masked(g, logits, params, counter: int) -> int:
-    """One draw under the grammar: the tokens it forbids are -inf before sampling, and it takes the token."""
-    tok = sample(g.mask(logits), params, counter)
+def _draw_masked(g, logits, params, counter: int, draw=sample, v0: int = 0) -> int:
+    """One draw under the grammar: the tokens it forbids are -inf before sampling (`draw`: this backend's
+    sampler; logits of vocabulary rows v0.. on a tensor-parallel shard), and it takes the token."""
+    tok = draw(g.mask(logits, v0), params, counter)
     if not g.accept(tok):    # the mask allowed it, so only a broken grammar gets here
         raise ValueError(f"the grammar refused token {tok} that its mask allowed")
     return tok

@@ -107,7 +107,7 @@ def run(a) -> int:
         if not a.oneshot:   # every rank, once all are built (loading and compiling may hold a rank up)
             hb = Heartbeat.start(world, log=log)
         if rank != 0 and not a.oneshot:
-            return follow(backend, comm, log)
+            return follow(backend, comm, log, lambda: load_tokenizer(src))
         if a.oneshot:
             return _oneshot(a, src, cfg, backend, comm, kind)
         split = (f"tensor parallel ({_tp_line(backend)})" if tp else
@@ -257,7 +257,7 @@ def _oneshot(a, src, cfg, backend, comm, kind) -> int:
     req = argparse.Namespace(**json.loads(a.oneshot))
     req.max_seq = req.max_seq or a.max_seq
     if comm.rank != 0:
-        return follow(backend, comm, log)
+        return follow(backend, comm, log, lambda: load_tokenizer(src))
     tok = load_tokenizer(src)
     group = RankGroup(backend, comm)
     try:

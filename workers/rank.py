@@ -67,7 +67,9 @@ class RankGroup:
         # Refuse here, before the followers hear of it, so a bad request cannot desynchronise them.
         check_command(cmd, self.backend.cached(cmd.slot), self.backend.cfg.vocab_size, self.max_seq,
                       self.num_slots)
-        if self.comm.size > 1:   # to_wire refuses a grammar (one line): structured outputs run on one rank
+        if self.comm.size > 1:   # a grammar travels as its format: each rank compiles its own matcher
+            if cmd.grammar is not None and not getattr(self.backend, "grammar_on_ranks", False):
+                raise ValueError("structured outputs on several ranks run on the cpu backend in this build")
             send_message(self.comm, {"op": OP_RUN, "cmd": cmd.to_wire()})
         return self.backend.run(cmd, on_token)
 
@@ -88,8 +90,15 @@ class RankGroup:
                 pass
 
 
-def follow(backend, comm, log) -> int:
-    """A rank other than 0: sleep until rank 0 sends a command, run it, repeat until told to exit."""
+def follow(backend, comm, log, tokenizer=None) -> int:
+    """A rank other than 0: sleep until rank 0 sends a command, run it, repeat until told to exit.
+    `tokenizer`: a callable giving the model's tokenizer, asked for at the first command with a grammar."""
+    cache = []
+
+    def tok():
+        if not cache:
+            cache.append(tokenizer() if tokenizer is not None else None)
+        return cache[0]
     while True:
         msg = recv_message(comm)
         op = msg.get("op")
@@ -98,7 +107,7 @@ def follow(backend, comm, log) -> int:
         if op == OP_FREE:
             backend.free(int(msg["slot"]))
         elif op == OP_RUN:
-            backend.run(RunCommand.from_wire(msg["cmd"]))
+            backend.run(RunCommand.from_wire(msg["cmd"], tok))
         else:
             log(f"unknown message from rank 0: {op!r}")
             return 1
