@@ -340,6 +340,32 @@ def test_json_schema_through_three_ranks_is_one_ranks_and_validates(tmp_path):
         jsonschema.validate(json.loads(three["text"]), PERSON)
 
 
+@pytest.mark.mpi
+def test_openai_client_json_schema_and_a_required_tool_call_through_tensor_parallel_ranks():
+    """What an agent sends, against `kog serve --np 3` (the default model split over 3 cpu ranks): a json_schema
+    response_format and a tool_choice naming a function; the object and the call's arguments validate."""
+    openai = pytest.importorskip("openai")
+    import jsonschema
+    from serve_helpers import Serve
+    if not default_gguf_path():
+        pytest.skip("the default model is not fetched (any kog command online fetches it)")
+    with Serve("--backend", "cpu", "--np", "3", "--bind", "none", timeout=180) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        model = c.models.list().data[0].id
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Ada Lovelace as JSON"}],
+                                      max_tokens=48, temperature=0, response_format={
+                                          "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        tool = {"type": "function", "function": {"name": "set_person", "parameters": PERSON}}
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Record Ada, 36."}],
+                                      max_tokens=48, temperature=0, tools=[tool],
+                                      tool_choice={"type": "function", "function": {"name": "set_person"}})
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "set_person"
+        jsonschema.validate(json.loads(call.function.arguments), PERSON)
+        assert "3 rank(s), backend cpu, tensor parallel" in s.err.text()
+
+
 def test_json_schema_on_several_cuda_ranks_is_refused_in_one_line(tmp_path):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(PERSON))
