@@ -57,24 +57,18 @@ class LaneSource:
     def shape(self, name: str) -> tuple[int, ...]:
         if not self._lane_first(name):
             return self.src.shape(name)
-        a = self.raw(name, range(0, 1), shape_only=True)
-        return (self.n,) + tuple(a)
+        full = self.src.shape(name)[1:]             # the one-lane source's [1, rows(, cols)]: lane axis dropped
+        cut = _slices(self.plans[0], name)[:len(full)]
+        return (self.n,) + tuple(s.stop - s.start if s is not None else full[k] for k, s in enumerate(cut))
 
-    def raw(self, name: str, lanes: range | None = None, rows=None, shape_only: bool = False):
+    def raw(self, name: str, lanes: range | None = None, rows=None):
         if not self._lane_first(name):
             return self.src.raw(name, None, rows) if rows is not None else self.src.raw(name)
         if rows is not None:
             raise ValueError(f"{name}: rows of a lane-first tensor")
-        lanes = range(self.n) if lanes is None else lanes
-        parts, dt = [], None
-        for lane in lanes:
-            r, c = _slices(self.plans[lane], name)
-            if shape_only:
-                full = self.src.shape(name)[1:]     # the one-lane source's [1, rows, cols]: lane axis dropped
-                return tuple((s.stop - s.start) if s is not None else full[k] for k, s in enumerate((r, c)[:len(full)]))
-            a, dt = _block(self.src, name, r, c)
-            parts.append(a)
-        return np.ascontiguousarray(np.stack(parts)), dt
+        parts = [_block(self.src, name, *_slices(self.plans[lane], name))
+                 for lane in (range(self.n) if lanes is None else lanes)]
+        return np.ascontiguousarray(np.stack([a for a, _ in parts])), parts[0][1]
 
     def tensor(self, name: str, lanes: range | None = None, rows=None) -> np.ndarray:
         return to_float32(*self.raw(name, lanes, rows))
