@@ -8,7 +8,6 @@ GPU (marker gpu; ranks sharing one GPU need MPS): `kog generate --np N --backend
 reference's ids and one rank's, greedy and seeded sampling, and the default model's answer.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -148,15 +147,9 @@ def test_nvcc_compiles_the_tensor_parallel_build(shape, n, dtype, tmp_path):
 
 
 # -- GPU: N ranks of the multi-rank monokernel ------------------------------------------------------------
-def _cuda_missing():
-    try:
-        import cupy as cp
-        return None if cp.cuda.runtime.getDeviceCount() > 0 else "no GPU"
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__
+from kccl.cuda_ipc import cupy_missing  # noqa: E402 (imports without CuPy)
 
-
-_why = _cuda_missing()
+_why = cupy_missing()
 
 
 def kog_cuda(model, n, *extra, prompt=None, timeout=240):
