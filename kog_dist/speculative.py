@@ -66,6 +66,44 @@ def lookup(context, k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> l
     return []
 
 
+class NgramIndex:
+    """lookup() kept up to date as tokens arrive: the latest start of every n-gram (min_ngram..max_ngram) that
+    has a token after it, so a draft costs O(max_ngram) instead of a scan of the context (lookup() over 4,000
+    tokens: ~0.55 ms on the 2-core CI machine, 2% of a cpu token, paid at every drafting step). The same
+    answers as lookup(ctx, k, max_ngram, min_ngram) for the tokens pushed so far."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = 1, tokens=()):
+        self.ctx: list[int] = []
+        self.starts = {n: {} for n in range(max_ngram, max(1, min_ngram) - 1, -1)}   # longest first
+        self.extend(tokens)
+
+    def push(self, tok: int) -> None:
+        T, ctx = len(self.ctx), self.ctx
+        for n, latest in self.starts.items():   # the n-grams that end at T - 1 now have a token after them
+            if T >= n:
+                latest[tuple(ctx[T - n:T])] = T - n
+        ctx.append(int(tok))
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.push(t)
+
+    def sync(self, context) -> None:
+        """Push what `context` has beyond the tokens pushed so far (it must extend them)."""
+        self.extend(context[len(self.ctx):])
+
+    def lookup(self, k: int) -> list[int]:
+        ctx, T = self.ctx, len(self.ctx)
+        if k <= 0 or T < 2:
+            return []
+        for n, latest in self.starts.items():
+            if n <= T - 1:
+                s = latest.get(tuple(ctx[T - n:]))
+                if s is not None:
+                    return ctx[s + n:s + n + k]
+        return []
+
+
 class AdaptiveDraft:
     """How many draft tokens to ask for next: fewer while drafts are rejected, none after a run of
     rejections (then a one-token probe every `probe_every` steps, twice as far apart after each probe
@@ -119,14 +157,17 @@ def verify(logits_rows: np.ndarray, draft, params: SamplingParams, counter0: int
 
 
 def step(engine, last: int, context, params: SamplingParams, draft_len: int,
-         max_ngram: int = MAX_NGRAM, forward=None, min_ngram: int = 1) -> tuple[list[int], int, int]:
+         max_ngram: int = MAX_NGRAM, forward=None, min_ngram: int = 1,
+         draft: list[int] | None = None) -> tuple[list[int], int, int]:
     """One verify pass on a reference engine whose cache holds `context` minus `last` (the last
     sampled token, not yet fed). Returns (tokens, drafted, accepted); the cache is left holding `last`
     and the accepted drafts, i.e. everything but the final token, as after plain steps. A caller that
     stops early (EOS, stop id, max tokens) after token j truncates the cache to its position.
     forward(engine, ids) -> logits [len(ids), V], appending the ids to the cache (a backend's faster
-    pass); None: the engine's own batched forward. min_ngram: the shortest match that drafts."""
-    draft = lookup(context, draft_len, max_ngram, min_ngram)
+    pass); None: the engine's own batched forward. min_ngram: the shortest match that drafts. draft: the
+    lookup's answer, where the caller keeps an NgramIndex (context is then not read)."""
+    if draft is None:
+        draft = lookup(context, draft_len, max_ngram, min_ngram)
     start = engine.pos
     ids = np.asarray([last] + draft, dtype=np.int64)
     rows = forward(engine, ids) if forward else engine.forward(ids, all_logits=True)

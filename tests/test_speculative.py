@@ -9,7 +9,7 @@ import pytest
 from kog_dist.checkpoint import Model
 from kog_dist.engine import ReferenceEngine
 from kog_dist.sampling import SamplingParams, sample
-from kog_dist.speculative import AdaptiveDraft, SpecParams, lookup, step, verify
+from kog_dist.speculative import AdaptiveDraft, NgramIndex, SpecParams, lookup, step, verify
 from kog_dist.tiny import write_tiny_checkpoint
 
 
@@ -58,6 +58,21 @@ def test_lookup_takes_the_longest_latest_match():
     ctx = [1, 2, 3, 9, 5, 2, 3, 7, 8, 2, 3]                    # "2 3" matches, no 3-gram does
     assert lookup(ctx, 2) == [7, 8] and lookup(ctx, 2, min_ngram=2) == [7, 8]
     assert lookup(ctx, 2, min_ngram=3) == [] and lookup(ctx + [7], 2, min_ngram=3) == [8, 2]
+
+
+@pytest.mark.parametrize("min_ngram,vocab", [(1, 3), (2, 4), (3, 2), (1, 50)])
+def test_ngram_index_answers_as_the_scan(min_ngram, vocab):
+    """The index the cpu backend keeps (one push a token) drafts what lookup's scan of the whole context
+    drafts, at every length, whatever was pushed at once (a prompt) or one by one (drafts accepted)."""
+    rng = np.random.default_rng(min_ngram * 100 + vocab)
+    ctx = [int(t) for t in rng.integers(0, vocab, 300)]
+    index = NgramIndex(4, min_ngram, ctx[:40])
+    for T in range(40, len(ctx) + 1):
+        index.sync(ctx[:T])
+        for k in (1, 3, 8):
+            assert index.lookup(k) == lookup(ctx[:T], k, 4, min_ngram), (T, k)
+    assert NgramIndex(4, 1, [5]).lookup(3) == [] and NgramIndex(4, 1, [1, 2, 1]).lookup(0) == []
+    assert NgramIndex(4, 1, [1, 2, 3, 4, 5, 1, 2, 3]).lookup(3) == [4, 5, 1]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=11),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kog_dist.engine import ReferenceEngine
 from kog_dist.sampling import sample
-from kog_dist.speculative import AdaptiveDraft
+from kog_dist.speculative import MAX_NGRAM, AdaptiveDraft, NgramIndex
 from kog_dist.speculative import step as spec_step
 
 from kog_dist.backend import Backend, Clock, RunCommand, RunResult, check_command
@@ -107,6 +107,7 @@ class CpuBackend(Backend):
             drafts, min_ngram = AdaptiveDraft(speculative, start=CPU_FIRST_DRAFT), CPU_MIN_NGRAM
         else:
             drafts, min_ngram = AdaptiveDraft(speculative), 1
+        index = NgramIndex(MAX_NGRAM, min_ngram, held) if drafts else None
         t_first = None
         ahead = [] if cmd.max_new_tokens == 0 else [draw(logits, cmd.sampling, counter=len(held))]
         while ahead:
@@ -134,8 +135,10 @@ class CpuBackend(Backend):
             k = min(drafts.size(), cmd.max_new_tokens - len(res.token_ids) - 1,
                     self.max_seq - len(held) - 1) if drafts else 0
             if k > 0:   # one pass over tok and up to k drafts copied from the context
-                toks, drafted, accepted = spec_step(eng, tok, held + [tok], cmd.sampling, k, forward=verify,
-                                                    min_ngram=min_ngram)
+                index.sync(held)
+                index.push(tok)
+                toks, drafted, accepted = spec_step(eng, tok, None, cmd.sampling, k, forward=verify,
+                                                    draft=index.lookup(k))
                 drafts.update(drafted, accepted)
                 res.spec_steps += drafted > 0          # verify passes: those that checked a draft
                 res.spec_drafted += drafted
