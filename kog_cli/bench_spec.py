@@ -17,7 +17,7 @@ import time
 
 from kog_dist.backend import RunCommand
 from kog_dist.formats import open_model
-from kog_dist.models import resolve_model
+from kog_dist.models import model_id, resolve_model
 from kog_dist.tokenizer import load_tokenizer
 from workers.cpu_verify import supports as fast_verify_supports
 from workers.cpu_verify import verify_rows
@@ -163,7 +163,8 @@ def run(model: str | None, backend_kind: str, k: int, new_tokens: int, rounds: i
         backend.close()
     if spec_defs is not None:
         plain_default_rows(kind, src, cfg, tok, tasks, rows, spec_defs, new_tokens, rounds, dtype, say)
-    return {"date": time.strftime("%Y-%m-%d"), "backend": kind, "model": src.name, "dtype": dtype, "k": k,
+    return {"date": time.strftime("%Y-%m-%d"), "backend": kind,
+            "model": model_id(src.path) if getattr(src, "path", None) else src.name, "dtype": dtype, "k": k,
             "max_new_tokens": new_tokens, "rounds": rounds, "rows": rows, "verify_cost": cost,
             "speculating": any(r["spec_steps"] for r in rows)}
 

@@ -20,11 +20,13 @@ MAX_DRAFT = 8
 MAX_NGRAM = 4
 # The draft length a command uses when not told (`--speculative` of kog generate / chat / serve / kog-worker),
 # by backend: on only where it is lossless (always) and measured not slower on free text (the free story row of
-# `kog bench --speculative 8` at >= 0.98x). Off on both today: the cpu backend's story row measured 0.96x
-# (1.01x in CPU time) on the 2-core machine (BENCHMARKS.md "Structured outputs (issue 55)"), and the monokernel's
-# last rows were 0.97x / 0.99x in bf16 and 0.93x for the default model's own Q4_1 (2026-12-04, H200). A request's
-# `speculative` field, and the flags, turn it on.
-DEFAULT_DRAFT = {"cpu": 0, "cuda": 0}
+# `kog bench --speculative 8` at >= 0.98x). On for the cpu backend: its story row drafts nothing (each step is
+# the plain step plus one NgramIndex push), 1.00x wall / 0.99x CPU time at reps 7, with the edits at 1.92x /
+# 1.08x / 2.13x / 0.99x (BENCHMARKS.md "Speculation on by default on the cpu backend"). Off for cuda: the
+# monokernel's free-story rows were 0.95-1.02x in bf16 and 0.93x for the default model's own Q4_1 (2026-12-04,
+# H200); a backend made to speculate runs its plain steps at 384 threads. A request's `speculative` field and
+# the flags override it.
+DEFAULT_DRAFT = {"cpu": MAX_DRAFT, "cuda": 0}
 
 
 def default_draft(backend: str) -> int:

@@ -234,5 +234,7 @@ def test_generate_speculative_flag_keeps_the_tokens():
            "-n", "24", "--json")
     off = json.loads(kog(*ask, "--speculative", "0").stdout)
     on = json.loads(kog(*ask, "--speculative", "8").stdout)
-    assert on["token_ids"] == off["token_ids"]
+    default = json.loads(kog(*ask).stdout)       # the cpu backend speculates unless told not to
+    assert on["token_ids"] == off["token_ids"] == default["token_ids"]
     assert off["stats"]["spec_steps"] == 0 and on["stats"]["spec_steps"] > 0
+    assert default["stats"]["spec_steps"] == on["stats"]["spec_steps"]
