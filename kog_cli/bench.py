@@ -9,8 +9,8 @@ copy bandwidth and the PyTorch baselines measured in the same run.
                                        (--gen tokens a task, --reps rounds; kog_cli/bench_spec.py)
 
 Rows: pp<N> (time to first token of an N-token prompt: prefill + the first decode step + sampling),
-tg<G>@<P> (greedy decode of G tokens after a P-token prompt, median of --reps runs, timed by CUDA
-events around the one kernel launch), GB/s (weight bytes streamed per token * tokens/s) and the
+tg<G>@<P> (decode of G tokens after a P-token prompt, median of --reps runs, timed by CUDA events
+around the one kernel launch; greedy unless --temperature / --top-k / --top-p say how to sample), GB/s (weight bytes streamed per token * tokens/s) and the
 fraction of the copy bandwidth measured in this run.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def measure(backend, args, log=_say) -> dict:
     cfg = backend.cfg
     V = cfg.vocab_size
     rng = np.random.default_rng(args.seed)
-    greedy = SamplingParams()
+    greedy = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()   # the rows' sampler
     ktypes = getattr(backend.dw, "ktypes", None)   # the K-quants: each matrix's own type
     out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype, ktypes), "timing_marks": bool(args.profile),
            "dtype": backend.dw.dtype}
@@ -153,7 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("--nblocks", type=int, default=None)
     ap.add_argument("--define", action="append", default=[], metavar="CFG_X=V",
                     help="extra compile-time define of the monokernel (tuning variants)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the random weights' and the sampler's seed")
+    ap.add_argument("--temperature", type=float, default=0.0, help="decode rows sample at this temperature "
+                    "(0: greedy, the default)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                     help="cuda: the monokernel; cpu: the numpy backend (needs --model); auto: cuda if there is a GPU")
     ap.add_argument("--profile", action="store_true", help="per-phase clock marks of some decode steps (a build with the "
@@ -306,6 +310,11 @@ def _check_sizes(args) -> str | None:
     for d in (args.dtype or "").split(",") if args.dtype else ():
         if d not in STORE_NAMES:
             return f"unknown --dtype {d!r} (known: {', '.join(STORE_NAMES)})"
+    from kog_dist.sampling import SamplingParams
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    except ValueError as e:
+        return str(e)
     if args.ctx and args.ctx_gen >= args.ctx:
         return f"--ctx-gen ({args.ctx_gen}) must be below --ctx ({args.ctx}): the row decodes at that context"
     return None
@@ -463,6 +472,10 @@ def table(r: dict) -> str:
            + ("; torch baselines in bf16" if r.get("baselines") and len(variants) > 1 else ""),
            line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
     out += [line(x) for x in rows]
+    a = r.get("args") or {}
+    if a.get("temperature"):
+        out.append(f"decode rows sampled: temperature {a['temperature']:g}, top-k {a.get('top_k', 0)}, "
+                   f"top-p {a.get('top_p', 1.0):g}, seed {a.get('seed', 0)}")
     if mk.get("timing_marks"):
         out.append("--profile: every row ran the profile build (clock marks compiled in, ~1.4% slower); "
                    "without --profile the rows are the decode build's")

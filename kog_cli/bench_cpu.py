@@ -69,7 +69,7 @@ def run(args, say) -> dict:
     say(f"copy bandwidth {bw / 1e9:.1f} GB/s (numpy, one thread)")
     rng = np.random.default_rng(args.seed)
     ids = lambda n: [int(x) for x in rng.integers(3, cfg.vocab_size, n)]
-    greedy = SamplingParams()
+    greedy = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)   # greedy unless told
 
     def go(prompt, gen):
         return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=greedy), ignore_eos=True)
@@ -112,7 +112,8 @@ def run(args, say) -> dict:
         baselines += torch_eager(cfg, args, streamed, bw, say)
     return {"date": time.strftime("%Y-%m-%d"), "device": f"cpu ({os.cpu_count()} cores; numpy backend, one process)",
             "model": path, "dtype": "F32", "copy_bandwidth_GBps": bw / 1e9,
-            "backend_rows": "cpu", "monokernel": out, "baselines": baselines}
+            "backend_rows": "cpu", "monokernel": out, "baselines": baselines,
+            "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
 
 
 def gguf_streamed_bytes(path: str) -> int:

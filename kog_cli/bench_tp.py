@@ -76,9 +76,10 @@ def run_rank(args, say, emit) -> int:
         rng = np.random.default_rng(args.seed)
         ids = lambda k: [int(x) for x in rng.integers(3, cfg.vocab_size, k)]   # the same on every rank
 
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)   # greedy unless told
+
         def go(prompt, gen):
-            return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=SamplingParams()),
-                               ignore_eos=True)
+            return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=sampling), ignore_eos=True)
 
         prompt = ids(args.pp)
         go(prompt, 1)

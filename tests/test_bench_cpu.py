@@ -26,6 +26,13 @@ def test_cpu_bench_json_and_table(tmp_path):
     t = kog("bench", "--backend", "cpu", "--model", d, "--reps", "1", "--pp", "8", "--prompt", "4",
             "--gen", "4", "--baselines", "none")
     assert t.returncode == 0 and "| cpu (numpy)" in t.stdout and "tg4 @ 4" in t.stdout, t.stdout
+    # the decode rows sample when told (the same prompt and seed as the greedy rows above: other ids)
+    s = kog("bench", "--backend", "cpu", "--model", d, "--reps", "2", "--pp", "16", "--prompt", "8",
+            "--gen", "12", "--baselines", "none", "--json", "--temperature", "5", "--top-p", "0.99")
+    assert s.returncode == 0, s.stderr
+    sampled = json.loads(s.stdout)
+    assert sampled["args"]["temperature"] == 5 and sampled["monokernel"]["tg"]["gen"] == 12
+    assert sampled["monokernel"]["tg"]["ids_head"] != rep["monokernel"]["tg"]["ids_head"]
 
 
 def test_cpu_bench_refuses_shape():
@@ -69,7 +76,9 @@ def test_bad_sizes_are_one_line_errors(tmp_path):
                       (("--prefetch", "-5"), "--prefetch must be >= 0"),
                       (("--nblocks", "0"), "--nblocks must be >= 1"),
                       (("--baseline-repeats", "0"), "--baseline-repeats must be >= 1"),
-                      (("--ctx", "100", "--ctx-gen", "100"), "--ctx-gen (100) must be below --ctx (100)")):
+                      (("--ctx", "100", "--ctx-gen", "100"), "--ctx-gen (100) must be below --ctx (100)"),
+                      (("--temperature", "-1"), "temperature must be a number in [0, 1e+06]"),
+                      (("--top-p", "0"), "top_p must be a number in (0, 1]")):
         r = kog("bench", "--backend", "cpu", "--model", d, *args)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
 
