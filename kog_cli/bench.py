@@ -10,8 +10,8 @@ copy bandwidth and the PyTorch baselines measured in the same run.
 
 Rows: pp<N> (time to first token of an N-token prompt: prefill + the first decode step + sampling),
 tg<G>@<P> (decode of G tokens after a P-token prompt, median of --reps runs, timed by CUDA events
-around the one kernel launch; greedy unless --temperature / --top-k / --top-p say how to sample), GB/s (weight bytes streamed per token * tokens/s) and the
-fraction of the copy bandwidth measured in this run.
+around the one kernel launch; greedy unless --temperature / --top-k / --top-p say how to sample), GB/s
+(weight bytes streamed per token * tokens/s) and the fraction of the copy bandwidth measured in this run.
 """
 from __future__ import annotations
 
@@ -67,19 +67,19 @@ def _ids(rng, n, V):
 def measure(backend, args, log=_say) -> dict:
     """The monokernel rows. Returns a dict of measurements."""
     import numpy as np
-    from kog_dist.sampling import SamplingParams
     from kog_dist.backend import RunCommand
     from workers.cuda.weights import streamed_bytes
     cfg = backend.cfg
     V = cfg.vocab_size
     rng = np.random.default_rng(args.seed)
-    greedy = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()   # the rows' sampler
+    from .bench_cpu import row_sampling
+    sampling = row_sampling(args)
     ktypes = getattr(backend.dw, "ktypes", None)   # the K-quants: each matrix's own type
     out = {"streamed_bytes_per_token": streamed_bytes(cfg, backend.dw.dtype, ktypes), "timing_marks": bool(args.profile),
            "dtype": backend.dw.dtype}
 
     def run(prompt, gen):
-        return backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=gen, sampling=greedy),
+        return backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=gen, sampling=sampling),
                            ignore_eos=True)
 
     # prefill / time to first token
@@ -117,7 +117,7 @@ def measure(backend, args, log=_say) -> dict:
         bds = []
         for k in (8, 200, 400):
             backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=min(args.gen, k + 2),
-                                   sampling=greedy), ignore_eos=True, timing_token=k)
+                                   sampling=sampling), ignore_eos=True, timing_token=k)
             bds.append(phase_breakdown(backend.last_timing, cfg.num_hidden_layers, cfg.num_lanes))
         out["phases"] = bds
         from workers.cuda.weights import matrix_bytes
@@ -310,9 +310,9 @@ def _check_sizes(args) -> str | None:
     for d in (args.dtype or "").split(",") if args.dtype else ():
         if d not in STORE_NAMES:
             return f"unknown --dtype {d!r} (known: {', '.join(STORE_NAMES)})"
-    from kog_dist.sampling import SamplingParams
+    from .bench_cpu import row_sampling
     try:
-        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+        row_sampling(args)
     except ValueError as e:
         return str(e)
     if args.ctx and args.ctx_gen >= args.ctx:

@@ -5,7 +5,7 @@ there is no GPU (CI, Slurm test clusters, a laptop).
 
 `--model` takes what open_model takes (a GGUF file, an HF or Laneformer directory) or a built-in name.
 Rows: load (open + dequantize + fuse, from a warm page cache), pp<N> (time to first token of an N-token
-prompt), tg<G>@<P> (greedy decode, median of --reps runs) once per BLAS thread setting of the decoder
+prompt), tg<G>@<P> (decode, greedy unless told; median of --reps runs) once per BLAS thread setting of the decoder
 ("1", "2" where there are 2 cores, and "auto", the backend's own: the faster of the two, chosen from the
 step times as it decodes), and the same decode on llama.cpp (llama-cpp-python) on the same GGUF file when it is importable. GB/s is
 the bytes each engine streams per token times tokens/s: float32 weights for ours (every matrix but the
@@ -41,12 +41,18 @@ def thread_settings(cores: int, blas_known: bool) -> list:
     return [1] + ([2, "auto"] if cores > 1 else [])
 
 
+def row_sampling(args):
+    """The decode rows' sampler of every `kog bench` backend: greedy unless --temperature / --top-k / --top-p
+    say otherwise (ValueError, the sampler's own line, for values it refuses)."""
+    from kog_dist.sampling import SamplingParams
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+
+
 def run(args, say) -> dict:
     from kog_dist.backend import RunCommand
     from kog_dist.checkpoint import expected_tensors
     from kog_dist.formats import FormatError, open_model
     from kog_dist.models import ModelNotFound, resolve_model
-    from kog_dist.sampling import SamplingParams
     from workers.cpu_decode import FastDecoder, blas_threads
     from workers.factory import make_backend
 
@@ -69,10 +75,10 @@ def run(args, say) -> dict:
     say(f"copy bandwidth {bw / 1e9:.1f} GB/s (numpy, one thread)")
     rng = np.random.default_rng(args.seed)
     ids = lambda n: [int(x) for x in rng.integers(3, cfg.vocab_size, n)]
-    greedy = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)   # greedy unless told
+    sampling = row_sampling(args)
 
     def go(prompt, gen):
-        return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=greedy), ignore_eos=True)
+        return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=sampling), ignore_eos=True)
 
     prompt = ids(args.pp)
     go(prompt, 1)

@@ -24,7 +24,6 @@ def run_rank(args, say, emit) -> int:
     from kog_dist.checkpoint import expected_tensors
     from kog_dist.formats import open_model
     from kog_dist.models import resolve_model
-    from kog_dist.sampling import SamplingParams
     from kog_dist.tp import tp_bytes_per_token
     from workers.cpu_decode import blas_threads
     from workers.factory import make_backend
@@ -32,7 +31,7 @@ def run_rank(args, say, emit) -> int:
     from workers.rank import KcclExchange
 
     from .bench import _commit
-    from .bench_cpu import copy_bandwidth
+    from .bench_cpu import copy_bandwidth, row_sampling
 
     forbid_pickle()
     w = MPI.COMM_WORLD
@@ -76,7 +75,7 @@ def run_rank(args, say, emit) -> int:
         rng = np.random.default_rng(args.seed)
         ids = lambda k: [int(x) for x in rng.integers(3, cfg.vocab_size, k)]   # the same on every rank
 
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)   # greedy unless told
+        sampling = row_sampling(args)
 
         def go(prompt, gen):
             return backend.run(RunCommand(append=prompt, max_new_tokens=gen, sampling=sampling), ignore_eos=True)
