@@ -282,8 +282,9 @@ def test_slot_sizes_2b(n):
     assert mr.final_floats(cfg, n) == lr * cfg.hidden_size + 4
     win = mr.window_bytes(cfg, n)
     assert 4 * kw["max_floats"] >= 8 * (lr * cfg.hidden_size + 1)      # final rows + cancel as LL words
-    # ... then the best logit, its index and the rank's share of the logits (mk_multirank.cuh FIN_WORDS)
-    assert mr.fin_words(cfg, n) == lr * cfg.hidden_size + 3 + 2 * mr.lm_units(cfg, n)
+    # ... then the best logit, its index, the rank's share of the logits and its sampling candidates
+    # (mk_multirank.cuh FIN_WORDS: 5 words and 4096 / N keys of 2)
+    assert mr.fin_words(cfg, n) == lr * cfg.hidden_size + 3 + 2 * mr.lm_units(cfg, n) + 5 + 2 * (4096 // n)
     assert 4 * kw["max_floats"] >= 8 * mr.fin_words(cfg, n)
     assert win <= (n * 40 + 1) << 20, win   # per rank: 2 MiB slots x (2 + 3 tags x 6 depth) x N sources
 

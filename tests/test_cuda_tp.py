@@ -182,12 +182,19 @@ def test_generate_np_cuda_gives_the_reference_ids(models, which, ns):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
-def test_sampled_ids_same_seed_one_rank_and_two(models):
+@pytest.mark.parametrize("sampling", [("--temperature", "0.9", "--top-k", "20", "--top-p", "0.9"),
+                                      ("--temperature", "0.05"),                  # peaked: the ranks' candidates
+                                      ("--temperature", "1.5", "--top-p", "0.98")],  # flat: past them, all V
+                         ids=["topk-topp", "peaked", "flat"])
+def test_sampled_ids_same_seed_one_rank_and_several(models, sampling):
+    """The draw decided across the ranks' vocabulary shards (mk_sample.cuh sample_full_mr: each rank's
+    candidates, or every logit when the draw lies past them) is one rank's draw."""
     path = models["hf"][0]
-    args = ["-n", "24", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "1234"]
+    args = ["-n", "24", *sampling, "--seed", "1234"]
     one = kog_cuda(path, 1, *args)["token_ids"]
-    assert len(set(one)) > 3
-    assert kog_cuda(path, 2, *args)["token_ids"] == one
+    assert len(set(one)) > (1 if "0.05" in sampling else 3)
+    for n in (2, 4):
+        assert kog_cuda(path, n, *args)["token_ids"] == one, n
 
 
 @pytest.mark.gpu
@@ -200,3 +207,6 @@ def test_default_model_through_three_cuda_ranks():
     three = kog_cuda(None, 3, "-n", "24", "--temperature", "0", prompt=q)
     assert "Paris" in three["text"]
     assert three["token_ids"] == one["token_ids"]
+    # sampled as a chat samples: the real model's peaked logits, decided from the three ranks' candidates
+    chat = ("-n", "32", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5")
+    assert kog_cuda(None, 3, *chat, prompt=q)["token_ids"] == kog_cuda(None, 1, *chat, prompt=q)["token_ids"]

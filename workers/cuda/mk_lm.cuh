@@ -63,12 +63,6 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
             p.logits[r0 + r] = acc[r];
             if (p.dbg_logits) p.dbg_logits[(long long)n * V + r0 + r] = acc[r];
             if (acc[r] > best) { best = acc[r]; besti = r0 + r; }
-#if KOG_NRANKS > 1
-            if (!greedy)   // sampling: every rank needs every logit
-              for (int q = 0; q < NRK; ++q)
-                if (q != (int)kds.rank)
-                  kccl_ll_st((u64*)(kds.base[q] + foff) + FW_LOGITS + (r0 + r - 2 * u0), ftag, __float_as_uint(acc[r]));
-#endif
           }
       }
     }
@@ -146,17 +140,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     next = last;
   } else {
 #if KOG_NRANKS > 1
-    {  // the other ranks' logits into p.logits (own rows: written by this rank's blocks)
-      const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, fe)) + FW_LOGITS;
-      const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
-      for (int v = tid; v < V; v += NT) {
-        const int q = v / (2 * U_LM);
-        if (q != (int)kds.rank) p.logits[v] = __uint_as_float(kccl_ll_get(kds, w0 + q * st + (v - q * 2 * U_LM), ftag, q, CH_FIN));
-      }
-      __syncthreads();
-    }
-#endif
+    next = sample_full_mr(p, sm, counter, n);   // from every rank's candidates (mk_sample.cuh)
+#else
     next = sample_full(p, sm, counter);
+#endif
   }
 #endif
 #if KOG_NRANKS > 1

@@ -19,7 +19,8 @@ constexpr int pow2_floor(int x) {
   return r;
 }
 constexpr int SBINS = 128;
-constexpr int SM_SAMPLE_HEAD = 8 * (NW + 8) + 4 * (SBINS + 8);   // bytes: dred, hist and words before the keys
+constexpr int SM_SAMPLE_HEAD = 8 * (NW + 8) + 4 * (SBINS + 8) + 4 * 48;   // bytes before the keys: dred, hist,
+                                                                         // words, the ranks' headers
 constexpr int SAMPLE_M = CFG_SAMPLE_M <= 0 ? 0 : cmin(CFG_SAMPLE_M, pow2_floor((SM_FLOATS * 4 - SM_SAMPLE_HEAD) / 8));
 static_assert(CFG_SAMPLE_M <= 0 || SAMPLE_M >= 2, "shared memory: no room for the sampler's candidates");
 
@@ -119,69 +120,86 @@ __device__ __forceinline__ int draw_from_sorted(const Params& p, double* dred, i
   return r;
 }
 
-// the candidates' path (see the top): the token, or -1 where the full sort must decide. Every thread.
-__device__ __forceinline__ int sample_candidates(const Params& p, float* sm, u64 counter) {
+// One shard's candidates (rows [v0, v1) of p.logits; every row with one rank): its largest logit m, the sum z
+// of its weights exp(l / T - m / T) (float64 where a weight is above e^-20 of the largest, the rest in float,
+// 2e-16 of it each), its rows within the nearest bins of (m - l) / T that fit `cap` keys as keys (unsorted),
+// and c, the largest logit left out (-inf: none). Every row left out is below every key (the bin is monotone
+// in the logit). n < 0: no finite maximum or sum (NaN, inf): the full sort decides. Every thread.
+struct Shard {
+  int n;
+  float m, c;
+  double z;
+};
+__device__ __forceinline__ Shard shard_candidates(const Params& p, float* sm, int v0, int v1, int cap, u64* keys) {
   double* dred = reinterpret_cast<double*>(sm);                         // [NW + 8]
   int* hist = reinterpret_cast<int*>(sm + 2 * (NW + 8));                // [SBINS]
   int* ired = hist + SBINS;                                             // [8]
-  u64* keys = reinterpret_cast<u64*>(reinterpret_cast<char*>(sm) + SM_SAMPLE_HEAD);   // [SAMPLE_M]
   const int tid = threadIdx.x, lane = tid & 31;
   const double T = p.temperature;
   const float invT = (float)(1.0 / T);
   for (int i = tid; i < SBINS; i += NT) hist[i] = 0;
-  // 1: the largest logit (NaN ignored)
-  float mx = NEG_INF;
-  for (int v = tid; v < V; v += NT) mx = fmaxf(mx, ldf(p.logits + v));
+  float mx = NEG_INF;   // 1: the largest logit (NaN ignored)
+  for (int v = v0 + tid; v < v1; v += NT) mx = fmaxf(mx, ldf(p.logits + v));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (lane == 0) reinterpret_cast<float*>(dred)[threadIdx.x >> 5] = mx;
   __syncthreads();
   for (int w = 0; w < NW; ++w) mx = fmaxf(mx, reinterpret_cast<float*>(dred)[w]);
   __syncthreads();
-  if (!(mx > NEG_INF) || isinf(mx)) return -1;       // no finite logit: the full sort's answer
+  if (!(mx > NEG_INF) || isinf(mx)) return Shard{-1, mx, mx, 0.0};
   const double zmax = (double)mx / T;
-  // 2: bins of (max - logit) / T (a warp's lanes of one bin add once) and the sum of all V weights: float64 as
-  // the full sort's total, where a weight is above e^-20 of the largest (the rest in float, 2e-16 of it each)
+  // 2: the bins (a warp's lanes of one bin add once) and the sum
   double z = 0.0;
-  for (int v = tid; v - lane < V; v += NT) {   // whole warps: lanes past V take part in the vote
-    const float l = v < V ? ldf(p.logits + v) : NEG_INF;
+  for (int v = v0 + tid; v - lane < v1; v += NT) {   // whole warps: lanes past v1 take part in the vote
+    const float l = v < v1 ? ldf(p.logits + v) : NEG_INF;
     const float d = (mx - l) * invT;
     const int bin = d < SBINS / 4.f ? (int)(d * 4.f) : -1;   // NaN: -1
     const unsigned grp = __match_any_sync(0xffffffffu, bin);
     if (bin >= 0 && lane == __ffs(grp) - 1) atomicAdd(hist + bin, __popc(grp));
-    if (v < V) z += d < 20.f ? exp((double)l / T - zmax) : (double)__expf(-d);
+    if (v < v1) z += d < 20.f ? exp((double)l / T - zmax) : (double)__expf(-d);
   }
   z = block_sum_d(z, dred);
   if (tid == 0) {   // the most bins whose keys fit
     int nb = 0, c = 0;
-    while (nb < SBINS && c + hist[nb] <= SAMPLE_M) c += hist[nb++];
+    while (nb < SBINS && c + hist[nb] <= cap) c += hist[nb++];
     ired[2] = nb;
     ired[3] = 0;
   }
   __syncthreads();
   const int nbins = ired[2];
-  if (nbins == 0 || !isfinite(z)) return -1;
-  // 3: the candidates' keys (a warp's at once), then a bitonic sort of the next power of two (descending;
-  // the padding, key 0, sorts last)
+  if (!isfinite(z)) return Shard{-1, mx, mx, z};
+  // 3: the keys (a warp's at once) and the largest logit left out
   const float dcut = nbins * 0.25f;   // d < dcut <=> (int)(4 d) < nbins: 4 d is exact
-  for (int v = tid; v - lane < V; v += NT) {
-    const float l = v < V ? ldf(p.logits + v) : NEG_INF;
+  float out = NEG_INF;
+  for (int v = v0 + tid; v - lane < v1; v += NT) {
+    const float l = v < v1 ? ldf(p.logits + v) : NEG_INF;
     const bool c = (mx - l) * invT < dcut;
+    if (!c) out = fmaxf(out, l);
     const unsigned m = __ballot_sync(0xffffffffu, c);
     int base = 0;
     if (lane == 0 && m) base = atomicAdd(ired + 3, __popc(m));
     base = __shfl_sync(0xffffffffu, base, 0);
     if (c) keys[base + __popc(m & ((1u << lane) - 1u))] = sample_key(l, v);
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) out = fmaxf(out, __shfl_xor_sync(0xffffffffu, out, o));
+  if (lane == 0) reinterpret_cast<float*>(dred)[threadIdx.x >> 5] = out;
   __syncthreads();
+  for (int w = 0; w < NW; ++w) out = fmaxf(out, reinterpret_cast<float*>(dred)[w]);
   const int n = ired[3];
+  __syncthreads();
+  return Shard{n, mx, out, z};
+}
+// keys [0, n) sorted descending in place, bitonic over the next power of two P <= the keys' room (the padding,
+// key 0, sorts last); every thread
+__device__ __forceinline__ void sort_keys(u64* keys, int n) {
   int P = 2;
   while (P < n) P <<= 1;
-  for (int x = n + tid; x < P; x += NT) keys[x] = 0ull;
+  for (int x = n + threadIdx.x; x < P; x += NT) keys[x] = 0ull;
   __syncthreads();
   for (int k = 2; k <= P; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int x = tid; x < P; x += NT) {
+      for (int x = threadIdx.x; x < P; x += NT) {
         const int y = x ^ j;
         if (y > x) {
           const u64 a = keys[x], b = keys[y];
@@ -191,14 +209,27 @@ __device__ __forceinline__ int sample_candidates(const Params& p, float* sm, u64
       }
       __syncthreads();
     }
-  // 4: the draw; past the candidates (top-k beyond them below V, or the prefix or the draw in the tail): -1
+}
+// the draw from n sorted keys that are the first n of the full order, or -1 (past them); every thread
+__device__ __forceinline__ int draw_candidates(const Params& p, float* sm, const u64* keys, int n, float mx,
+                                               double z, u64 counter) {
+  double* dred = reinterpret_cast<double*>(sm);
+  int* ired = reinterpret_cast<int*>(sm + 2 * (NW + 8)) + SBINS + 4;
   const int K = (p.top_k > 0 && p.top_k < V) ? (int)p.top_k : V;
-  if (K < V && K > n) return -1;
-  const int r = draw_from_sorted(p, dred, ired + 4, n, false, zmax, z, counter,
+  if (n <= 0 || (K < V && K > n)) return -1;   // top-k beyond the keys (below V)
+  const int r = draw_from_sorted(p, dred, ired, n, false, (double)mx / p.temperature, z, counter,
                                  [&](int x) { return key_logit(keys[x]); });
   const int tok = r < 0 ? -1 : key_index(keys[r]);
   __syncthreads();
   return tok;
+}
+// the candidates' path with one rank (see the top): the token, or -1 where the full sort must decide
+__device__ __forceinline__ int sample_candidates(const Params& p, float* sm, u64 counter) {
+  u64* keys = reinterpret_cast<u64*>(reinterpret_cast<char*>(sm) + SM_SAMPLE_HEAD);   // [SAMPLE_M]
+  const Shard sh = shard_candidates(p, sm, 0, V, SAMPLE_M, keys);
+  if (sh.n <= 0) return -1;
+  sort_keys(keys, sh.n);
+  return draw_candidates(p, sm, keys, sh.n, sh.m, sh.z, counter);
 }
 
 // ---- the whole vocabulary sorted: every case, the candidates' fallback ----------------------------------------
@@ -242,3 +273,94 @@ __device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter
   return tok >= 0 ? tok : sample_sorted(p, sm, counter);
 }
 
+
+#if KOG_NRANKS > 1
+// ---- sampling over the ranks' vocabulary shards (tensor parallelism) --------------------------------------
+// Each rank's last block posts its shard's candidates (shard_candidates, at most MR_KEYS), its largest logit,
+// the largest it left out and its weights' sum to every peer (FW_SCAND of the final slot); every rank merges
+// all of them, in rank order, so every rank takes the same decision. The merged keys above the largest logit
+// any rank left out are the first of the full order, so the draw from them is one rank's draw. Past them
+// (rare: a flat distribution, a tail draw) every rank posts its shard's logits and samples from all V.
+constexpr int MR_KEYS = SAMPLE_M / NRK < SCAND ? SAMPLE_M / NRK : SCAND;
+__device__ __forceinline__ u32 shard_word(const Shard& sh, const u64* keys, int x) {   // word x of the post
+  if (x >= 5) {
+    const u64 k = keys[(x - 5) >> 1];
+    return ((x - 5) & 1) ? (u32)(k >> 32) : (u32)k;
+  }
+  const unsigned long long zb = (unsigned long long)__double_as_longlong(sh.z);
+  return x == 0 ? (u32)sh.n : x == 1 ? __float_as_uint(sh.m) : x == 2 ? __float_as_uint(sh.c)
+       : x == 3 ? (u32)zb : (u32)(zb >> 32);
+}
+__device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 counter, int n) {
+  const Params& p = NOINL_PARAMS(p_);
+  const int tid = threadIdx.x, rk = (int)kds.rank;
+  const int v0 = min(V, 2 * rk * U_LM), v1 = min(V, 2 * (rk + 1) * U_LM);   // the rank's rows (phase_lm)
+  const u64 fe = (u64)(p.e0[2] + n);
+  const unsigned ftag = (unsigned)fe;
+  const long long foff = mr_ll_off(CH_FIN, rk, fe);
+  const u64* w0 = (const u64*)(kds.base[rk] + mr_ll_off(CH_FIN, 0, fe));   // rank q's words: q * st further
+  const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
+  int tok = -1;
+  if constexpr (SAMPLE_M > 0) {
+    u32* hdr = reinterpret_cast<u32*>(reinterpret_cast<char*>(sm) + 8 * (NW + 8) + 4 * (SBINS + 8));   // [NRK][5]
+    int* cnt = reinterpret_cast<int*>(hdr + 40);
+    u64* keys = reinterpret_cast<u64*>(reinterpret_cast<char*>(sm) + SM_SAMPLE_HEAD);   // [NRK][MR_KEYS]
+    u64* mine = keys + rk * MR_KEYS;
+    const Shard sh = shard_candidates(p, sm, v0, v1, MR_KEYS, mine);
+    const int nw = 5 + 2 * max(sh.n, 0);   // [n (< 0: no finite maximum or sum), m, c, z lo, z hi], keys (lo, hi)
+    for (int x = tid; x < nw; x += NT) {
+      const u32 v = shard_word(sh, mine, x);
+      for (int q = 0; q < NRK; ++q)
+        if (q != rk) kccl_ll_st((u64*)(kds.base[q] + foff) + FW_SCAND + x, ftag, v);
+    }
+    if (tid < NRK * 5) {
+      const int q = tid / 5, x = tid % 5;
+      hdr[tid] = q == rk ? shard_word(sh, mine, x) : kccl_ll_get(kds, w0 + q * st + FW_SCAND + x, ftag, q, CH_FIN);
+    }
+    if (tid == 0) *cnt = 0;
+    __syncthreads();
+    bool ok = true;
+    float M = NEG_INF, C = NEG_INF;
+    for (int q = 0; q < NRK; ++q) {
+      const int nq = (int)hdr[5 * q];
+      if (nq < 0) ok = false;
+      M = fmaxf(M, __uint_as_float(hdr[5 * q + 1]));
+      C = fmaxf(C, __uint_as_float(hdr[5 * q + 2]));
+      if (q != rk)
+        for (int k = tid; k < nq; k += NT) {
+          const u64* w = w0 + q * st + FW_SCAND + 5 + 2 * k;
+          const u32 lo = kccl_ll_get(kds, w, ftag, q, CH_FIN), hi = kccl_ll_get(kds, w + 1, ftag, q, CH_FIN);
+          keys[q * MR_KEYS + k] = ((u64)hi << 32) | lo;
+        }
+      for (int k = max(nq, 0) + tid; k < MR_KEYS; k += NT) keys[q * MR_KEYS + k] = 0ull;
+    }
+    double Z = 0.0;   // the shards' sums at the common maximum, in rank order
+    for (int q = 0; q < NRK; ++q) {
+      const double zq = __longlong_as_double((long long)(((unsigned long long)hdr[5 * q + 4] << 32) | hdr[5 * q + 3]));
+      Z += zq * exp((double)__uint_as_float(hdr[5 * q + 1]) / p.temperature - (double)M / p.temperature);
+    }
+    __syncthreads();
+    if (ok && M > NEG_INF) {
+      sort_keys(keys, NRK * MR_KEYS);
+      int valid = 0;   // the keys above every rank's largest logit left out (padding, key 0, reads as NaN)
+      for (int x = tid; x < NRK * MR_KEYS; x += NT) valid += key_logit(keys[x]) > C;
+      atomicAdd(cnt, valid);
+      __syncthreads();
+      tok = draw_candidates(p, sm, keys, *cnt, M, Z, counter);
+    }
+  }
+  if (tok >= 0) return tok;
+  // past the candidates: every rank's logits into p.logits (own rows: written by this rank's blocks)
+  for (int v = v0 + tid; v < v1; v += NT) {
+    const u32 b = __float_as_uint(ldf(p.logits + v));
+    for (int q = 0; q < NRK; ++q)
+      if (q != rk) kccl_ll_st((u64*)(kds.base[q] + foff) + FW_LOGITS + (v - v0), ftag, b);
+  }
+  for (int v = tid; v < V; v += NT) {
+    const int q = v / (2 * U_LM);
+    if (q != rk) p.logits[v] = __uint_as_float(kccl_ll_get(kds, w0 + q * st + FW_LOGITS + (v - q * 2 * U_LM), ftag, q, CH_FIN));
+  }
+  __syncthreads();
+  return sample_full(p, sm, counter);
+}
+#endif
