@@ -155,3 +155,34 @@ def test_lane_view_of_a_kquant_file_gives_the_reference_ids(kmodels, which):
     want, logits = HFLlama(c, held).greedy(PROMPT, 12)
     assert min(float(np.diff(np.sort(lg)[-2:])[0]) for lg in logits) >= 0.1     # the fixture's margin
     assert _greedy_numpy(LaneSource(open_model(path, progress=False), 2), 12) == want
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_upload_of_split_kquants_decodes_to_the_lane_view(kmodels, rank, monkeypatch):
+    """load_checkpoint of a rank's view (2 ranks, one lane each) with CuPy stood in for by numpy: every field of
+    every layer in the rank's arrays (kquant.cuh's layout at field_ranges, decoded with kquant.decode) is the
+    lane view's float tensor of the rank's lane, W13 gate / up interleaved; p.kt's types are the file's."""
+    import sys
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    monkeypatch.setattr(np, "cuda", type("C", (), {"Device": lambda *a: type("D", (), {"synchronize": lambda s: None})()}),
+                        raising=False)
+    from workers.cuda.multirank import RankView
+    from workers.cuda.weights import load_checkpoint
+    path = kmodels["q4_k_m"][0]
+    lv = LaneSource(open_model(path, progress=False), 2)
+    view = RankView(lv.cfg, rank, 2)
+    dw = load_checkpoint(lv, lv.cfg, default_dtype(lv), False, view=view, kernels=object())
+    assert dw.kq and dw.cfg.num_lanes == 1
+    for i in range(CFG["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        want = {m: lv.tensor(p + m + ".weight", range(rank, rank + 1))[0] for m in MATS}
+        want["feed_forward.w13"] = np.stack([want["feed_forward.w1"], want["feed_forward.w3"]], axis=1)
+        for field, j, e0, n in dw.field_ranges():
+            t = dw.ktypes[i][field]
+            assert t == lv.quant_type(p + ("feed_forward.w1" if field.endswith("w13") else field) + ".weight")
+            e = i * dw.layer_elems + e0
+            got = kquant.decode(dw.w[e // 2:(e + n) // 2], None if t == "Q4_K" else dw.wh[e // 4:(e + n) // 4],
+                                dw.ws[e // 256 * kquant.REC:(e + n) // 256 * kquant.REC], t)
+            np.testing.assert_array_equal(got, want[field].reshape(-1), err_msg=f"layer {i} {field}")
+        assert int(dw.kt[i]) == kquant.type_word(dw.ktypes[i])
+    lv.close()
