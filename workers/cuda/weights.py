@@ -301,16 +301,25 @@ def default_dtype(src) -> str:
 
 def kquant_reason(src) -> str | None:
     """Why a source's K-quant layer matrices cannot run as stored (None: they can): rows of whole super-blocks,
-    gate and up of one type, one rank."""
+    gate and up of one type; split over N ranks (a tp_lanes.LaneSource), each lane's columns of wo and w2
+    (heads * head_dim / N, intermediate_size / N) whole super-blocks too."""
     cfg = src.cfg
-    if getattr(src, "tp_ranks", 1) > 1:
-        return f"split over {src.tp_ranks} ranks (K-quants run as stored on one rank)"
     dims = {"hidden_size": cfg.hidden_size, "heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
             "intermediate_size": cfg.intermediate_size}
     for name, v in dims.items():
         if v % 256:
             return f"{name}={v} is not a multiple of 256"
-    if not hasattr(src, "blocks"):
+    n = getattr(src, "tp_ranks", 1)
+    if n > 1:
+        cuts = src.column_cuts() if hasattr(src, "column_cuts") else None
+        if cuts is None:
+            return f"split over {n} ranks by a source that serves no lane blocks"
+        what = {"wo": "heads * head_dim", "w2": "intermediate_size"}
+        for m, v in cuts.items():
+            if v % 256:
+                return (f"split over {n} ranks, each rank's {m} columns ({what[m]} / {n} = {v}) are not a "
+                        f"multiple of the 256-weight super-blocks")
+    if not hasattr(getattr(src, "src", src) if n > 1 else src, "blocks"):
         return "the source serves no raw blocks"
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.feed_forward."
@@ -319,25 +328,35 @@ def kquant_reason(src) -> str | None:
     return None
 
 
-def _load_kquant(dw, src, i: int) -> None:
+def _load_kquant(dw, src, i: int, lanes: range | None = None) -> None:
     """Layer i's matrices from the file's super-blocks, re-laid on the device (kquant.relayout); W13's gate
-    and up rows interleaved as the layout wants."""
+    and up rows interleaved as the layout wants. `lanes`: the global lanes of dw's (local) lanes, read from a
+    lane view (tp_lanes.LaneSource.blocks: each lane's rows, or its super-block columns of wo / w2); None:
+    the one lane of a one-lane source."""
     import cupy as cp
     p = f"model.layers.{i}."
-    types, ranges = {}, {f: e0 for f, _, e0, _ in dw.field_ranges()}
+    types, ranges = {}, {(f, j): e0 for f, j, e0, _ in dw.field_ranges()}
+    if lanes is None and dw.cfg.num_lanes != 1:
+        raise ValueError(f"K-quant blocks of {dw.cfg.num_lanes} lanes need a lane view's blocks")
 
-    def blocks(name):
-        b, t = src.blocks(p + name + ".weight")
+    def blocks(name, g):
+        if lanes is None:
+            b, t = src.blocks(p + name + ".weight")
+        else:
+            b, t = src.blocks(p + name + ".weight", range(g, g + 1))
+            b = b[0]
         return kquant.relayout(cp.asarray(b), t, xp=cp), t, b.shape[0]
 
-    for field in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w2"):
-        arrs, types[field], _ = blocks(field)
-        dw.put_k(i, ranges[field], *arrs)
-    (n1, h1, r1), t, rows = blocks("feed_forward.w1")
-    (n3, h3, r3), _, _ = blocks("feed_forward.w3")
-    types["feed_forward.w13"] = t
-    pair = lambda a, b: None if a is None else cp.stack([a.reshape(rows, -1), b.reshape(rows, -1)], axis=1).reshape(-1)
-    dw.put_k(i, ranges["feed_forward.w13"], pair(n1, n3), pair(h1, h3), pair(r1, r3))
+    for j, g in enumerate(lanes if lanes is not None else (0,)):
+        for field in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w2"):
+            arrs, types[field], _ = blocks(field, g)
+            dw.put_k(i, ranges[field, j], *arrs)
+        (n1, h1, r1), t, rows = blocks("feed_forward.w1", g)
+        (n3, h3, r3), _, _ = blocks("feed_forward.w3", g)
+        types["feed_forward.w13"] = t
+        pair = lambda a, b: None if a is None else cp.stack([a.reshape(rows, -1), b.reshape(rows, -1)],
+                                                            axis=1).reshape(-1)
+        dw.put_k(i, ranges["feed_forward.w13", j], pair(n1, n3), pair(h1, h3), pair(r1, r3))
     dw.set_ktypes(i, types)
 
 
@@ -355,8 +374,6 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     cfg = src.cfg
     dtype = dtype or default_dtype(src)
     dw = DeviceWeights(view if view is not None else cfg, dtype)
-    if dw.kq and view is not None:
-        raise ValueError("K-quant layer matrices run on one rank in this version (pass --dtype bf16 to split them)")
     if dw.kq and kquant_reason(src):
         raise ValueError(f"{dtype} storage of this checkpoint: {kquant_reason(src)}")
     if dw.qtype and kernels is None:
@@ -394,8 +411,9 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     with Progress("uploading weights", total, unit=" parts", enabled=progress) as bar:
         for i in range(N):
             p = f"model.layers.{i}."
-            if dw.kq:
-                _load_kquant(dw, src, i)
+            if dw.kq:   # a lane view (tp_lanes.LaneSource): the rank's lanes, or all of them on one rank
+                _load_kquant(dw, src, i, (lanes if lanes is not None else range(dw.cfg.num_lanes))
+                             if getattr(src, "tp_ranks", 1) > 1 else None)
             else:
                 put(i, "qkv", np.concatenate([mat(p + "attention.wq.weight"), mat(p + "attention.wk.weight"),
                                               mat(p + "attention.wv.weight")], axis=1))
