@@ -105,7 +105,8 @@ __device__ __forceinline__ int draw_from_sorted(const Params& p, double* dred, i
     total2 = dred[NW + 1];
   }
   const double u = uniform01(p.seed, counter);
-  if (tid == 0) ired[1] = Kp <= nk ? Kp - 1 : -1;   // rounding: the last kept key; past the keys: none here
+  // rounding: the last kept key; past the keys: none here (INT_MAX, so that the atomicMin below can lower it)
+  if (tid == 0) ired[1] = Kp <= nk ? Kp - 1 : 0x7fffffff;
   __syncthreads();
   {
     double c = before;
@@ -115,7 +116,7 @@ __device__ __forceinline__ int draw_from_sorted(const Params& p, double* dred, i
     }
   }
   __syncthreads();
-  const int r = ired[1];
+  const int r = ired[1] == 0x7fffffff ? -1 : ired[1];
   __syncthreads();
   return r;
 }
