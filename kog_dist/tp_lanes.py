@@ -70,6 +70,23 @@ class LaneSource:
                  for lane in (range(self.n) if lanes is None else lanes)]
         return np.ascontiguousarray(np.stack([a for a, _ in parts])), parts[0][1]
 
+    def blocks(self, name: str, lanes: range | None = None):
+        """A quantized tensor's bytes as the file stores them, as the one-lane source's blocks(name) serves
+        them, and its GGML type's name. Lane-first tensors: [lanes, rows, bytes a row] of each lane's shard:
+        whole rows of wq / wk / wv / w1 / w3, and of wo / w2 the bytes of the (super-)blocks that make up the
+        lane's columns (a ValueError where a lane's cut falls inside a block: kquant_reason says so first)."""
+        if not self._lane_first(name):
+            return self.src.blocks(name)
+        parts = [self.src.blocks(name, *_slices(self.plans[lane], name))
+                 for lane in (range(self.n) if lanes is None else lanes)]
+        return np.ascontiguousarray(np.stack([b for b, _ in parts])), parts[0][1]
+
+    def column_cuts(self) -> dict[str, int]:
+        """The columns of each lane's wo and w2 (heads * head_dim / N, intermediate_size / N): where the
+        lanes' cuts fall in those rows."""
+        c = self.src.cfg
+        return {"wo": c.num_attention_heads * c.head_dim // self.n, "w2": c.intermediate_size // self.n}
+
     def tensor(self, name: str, lanes: range | None = None, rows=None) -> np.ndarray:
         return to_float32(*self.raw(name, lanes, rows))
 

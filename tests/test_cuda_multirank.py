@@ -282,8 +282,9 @@ def test_slot_sizes_2b(n):
     assert mr.final_floats(cfg, n) == lr * cfg.hidden_size + 4
     win = mr.window_bytes(cfg, n)
     assert 4 * kw["max_floats"] >= 8 * (lr * cfg.hidden_size + 1)      # final rows + cancel as LL words
-    # ... then the best logit, its index and the rank's share of the logits (mk_multirank.cuh FIN_WORDS)
-    assert mr.fin_words(cfg, n) == lr * cfg.hidden_size + 3 + 2 * mr.lm_units(cfg, n)
+    # ... then the best logit, its index, the rank's share of the logits and its sampling candidates
+    # (mk_multirank.cuh FIN_WORDS: 5 words and 4096 / N keys of 2)
+    assert mr.fin_words(cfg, n) == lr * cfg.hidden_size + 3 + 2 * mr.lm_units(cfg, n) + 5 + 2 * (4096 // n)
     assert 4 * kw["max_floats"] >= 8 * mr.fin_words(cfg, n)
     assert win <= (n * 40 + 1) << 20, win   # per rank: 2 MiB slots x (2 + 3 tags x 6 depth) x N sources
 
@@ -302,6 +303,63 @@ def test_lm_rows_split_the_vocabulary(vocab, n):
         views = [mr.RankView(cfg, r, n) for r in range(n)]
         assert [v.lm_rows for v in views] == [len(r) for r in rows]
         assert sum(streamed_bytes(v, "BF16") for v in views) == streamed_bytes(cfg, "BF16")
+
+
+def _numpy_for_cupy(monkeypatch):
+    """CuPy stood in for by numpy (the arrays the weights code makes, on the host)."""
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    monkeypatch.setattr(np, "cuda", type("C", (), {"Device": lambda *a: type("D", (), {"synchronize": lambda s: None})()}),
+                        raising=False)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf_q6k_head"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_rank_weights_hold_only_their_lm_rows(tmp_path, monkeypatch, fmt, n):
+    """An untied LM head split over n ranks: each rank's upload (load_checkpoint of its view) holds exactly the
+    file's rows lm_rows(rank) (an odd vocabulary: the last rank one row short), lm_row0 is their first id, so
+    lm_ptr() addresses vocabulary id v at row v - lm_row0; one rank holds the whole head at row 0. GGUF: a
+    Q6_K head, only the rank's rows dequantized."""
+    from hf_reference import random_hf_tensors, read_gguf_as_hf, tiny_hf_config, write_gguf, write_hf_dir
+    from kog_dist.formats import open_model
+    from kog_dist.tp_lanes import LaneSource
+    import gguf
+    _numpy_for_cupy(monkeypatch)
+    from workers.cuda.weights import load_checkpoint
+    c = tiny_hf_config(hidden_size=256, intermediate_size=512, vocab_size=97, num_hidden_layers=1)
+    t = random_hf_tensors(c, 3)
+    if fmt == "hf":
+        path, head = write_hf_dir(str(tmp_path / "m"), c, t), t["lm_head.weight"]
+    else:
+        path = str(tmp_path / "m.gguf")
+        write_gguf(path, c, t, qtype=lambda hf: gguf.GGMLQuantizationType.Q6_K if hf == "lm_head.weight" else None)
+        head = read_gguf_as_hf(path, c)["lm_head.weight"]
+    one = load_checkpoint(open_model(path, progress=False), None, "F32", False)
+    assert one.lm_row0 == 0 and one.lm.shape == (97, 256)
+    np.testing.assert_array_equal(one.lm, head.astype(np.float32))
+    got = []
+    for r in range(n):
+        lv = LaneSource(open_model(path, progress=False), n)
+        dw = load_checkpoint(lv, lv.cfg, "F32", False, view=mr.RankView(lv.cfg, r, n))
+        rows = mr.lm_rows(lv.cfg, r, n)
+        assert dw.lm_row0 == rows.start and dw.lm.shape == (len(rows), 256)
+        np.testing.assert_array_equal(dw.lm, head[rows.start:rows.stop].astype(np.float32), err_msg=f"rank {r}")
+        got.append(dw.lm)
+        lv.close()
+    np.testing.assert_array_equal(np.concatenate(got), one.lm)
+
+
+def test_random_rank_lm_rows_are_the_whole_heads(monkeypatch):
+    """random_weights of a rank's view: its LM rows are the one-rank model's rows there (one stream of
+    draws over the whole head, chunked), so N ranks decode the one-rank model's head."""
+    _numpy_for_cupy(monkeypatch)
+    from workers.cuda import weights
+    monkeypatch.setattr(weights, "_RANDOM_STEP", 1000)   # chunks that cut rows and ranks
+    cfg = LaneformerConfig(**{**TINY_DEFAULTS, "num_lanes": 2, "vocab_size": 301, "tie_word_embeddings": False})
+    stub = type("K", (), {"fn": {"f32_to_w": None}})()
+    whole = weights.random_weights(cfg, "F32", stub, seed=5).lm
+    parts = [weights.random_weights(mr.RankView(cfg, r, 2), "F32", stub, seed=5) for r in range(2)]
+    assert [p.lm_row0 for p in parts] == [0, 152]
+    np.testing.assert_array_equal(np.concatenate([p.lm for p in parts]), whole)
 
 
 # ---- nvcc: the multi-rank kernel compiles (N = 2, 4, 8) --------------------------------------------

@@ -3,9 +3,10 @@ lanes (kog_dist/tp_lanes.py) and run by the multi-rank monokernel.
 
 CPU: the numpy engine on the lane view gives the HF-style reference's greedy ids (HF llama with KV heads
 split and replicated, Qwen2 biases, a bf16 tied head, Q8_0 / Q4_0 GGUF), each lane's slices are the
-one-lane tensors' pieces, the multi-rank builds of the view compile, the backend choice and refusals.
-GPU (marker gpu; ranks sharing one GPU need MPS): `kog generate --np N --backend cuda` gives the
-reference's ids and one rank's, greedy and seeded sampling, and the default model's answer.
+one-lane tensors' pieces, the multi-rank builds of the view compile (K-quant builds too), the backend choice
+and refusals. GPU (marker gpu; ranks sharing one GPU need MPS): `kog generate --np N --backend cuda` gives the
+reference's ids and one rank's, greedy and seeded sampling, the default model's answer, and K-quant files
+(Q4_K, Q4_K + Q6_K) split as stored (their CPU side: tests/test_tp_kquant.py).
 """
 import json
 import shutil
@@ -132,8 +133,11 @@ def test_choose_takes_cuda_for_one_lane_over_several_ranks():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 @pytest.mark.parametrize("shape,n,dtype", [("smollm2-135m", 3, "Q4_1"), ("llama3.2-1b", 2, "BF16"),
-                                           ("qwen2.5-0.5b", 2, "Q8_0")])
+                                           ("qwen2.5-0.5b", 2, "Q8_0"), ("llama3.2-1b", 2, "Q4_K+Q6_K"),
+                                           ("llama3.2-1b", 4, "Q4_K_M"), ("llama3.1-8b", 2, "Q4_K+Q6_K")])
 def test_nvcc_compiles_the_tensor_parallel_build(shape, n, dtype, tmp_path):
+    """The K-quant builds too (CFG_QW 4 with a rank's lanes: mk_kquant.cuh's ktype reads p.kt a layer and
+    finds a row's matrix within the rank's lane layout, so the kernel is unchanged)."""
     from kog_dist.shapes import shape_config
     from workers.cuda import build
     cfg = lanes_config(shape_config(shape), n)
@@ -152,7 +156,8 @@ from kccl.cuda_ipc import cupy_missing  # noqa: E402 (imports without CuPy)
 _why = cupy_missing()
 
 
-def kog_cuda(model, n, *extra, prompt=None, timeout=240):
+def kog_cuda(model, n, *extra, prompt=None, timeout=240, log=False):
+    """The JSON of `kog generate [--np n] --backend cuda --json` (and its stderr with log=True)."""
     from mpi_helpers import have_mpiexec, shared_gpu_reason
     if not have_mpiexec():
         pytest.skip("no mpiexec")
@@ -166,7 +171,7 @@ def kog_cuda(model, n, *extra, prompt=None, timeout=240):
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout)
     assert out.get("ranks", 1) == n and out["backend"] == "cuda"
-    return out
+    return (out, r.stderr) if log else out
 
 
 @pytest.mark.gpu
@@ -182,12 +187,19 @@ def test_generate_np_cuda_gives_the_reference_ids(models, which, ns):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
-def test_sampled_ids_same_seed_one_rank_and_two(models):
+@pytest.mark.parametrize("sampling", [("--temperature", "0.9", "--top-k", "20", "--top-p", "0.9"),
+                                      ("--temperature", "0.05"),                  # peaked: the ranks' candidates
+                                      ("--temperature", "1.5", "--top-p", "0.98")],  # flat: past them, all V
+                         ids=["topk-topp", "peaked", "flat"])
+def test_sampled_ids_same_seed_one_rank_and_several(models, sampling):
+    """The draw decided across the ranks' vocabulary shards (mk_sample.cuh sample_full_mr: each rank's
+    candidates, or every logit when the draw lies past them) is one rank's draw."""
     path = models["hf"][0]
-    args = ["-n", "24", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "1234"]
+    args = ["-n", "24", *sampling, "--seed", "1234"]
     one = kog_cuda(path, 1, *args)["token_ids"]
-    assert len(set(one)) > 3
-    assert kog_cuda(path, 2, *args)["token_ids"] == one
+    assert len(set(one)) > (1 if "0.05" in sampling else 3)
+    for n in (2, 4):
+        assert kog_cuda(path, n, *args)["token_ids"] == one, n
 
 
 @pytest.mark.gpu
@@ -200,3 +212,31 @@ def test_default_model_through_three_cuda_ranks():
     three = kog_cuda(None, 3, "-n", "24", "--temperature", "0", prompt=q)
     assert "Paris" in three["text"]
     assert three["token_ids"] == one["token_ids"]
+    # sampled as a chat samples: the real model's peaked logits, decided from the three ranks' candidates
+    chat = ("-n", "32", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5")
+    assert kog_cuda(None, 3, *chat, prompt=q)["token_ids"] == kog_cuda(None, 1, *chat, prompt=q)["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def kquant_models(tmp_path_factory):
+    from test_tp_kquant import write_kquant_models
+    return write_kquant_models(tmp_path_factory.mktemp("cuda_tp_kquant"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+@pytest.mark.parametrize("which,storage", [("q4_k", "Q4_K"), ("q4_k_m", "Q4_K+Q6_K")])
+def test_generate_np_cuda_kquant_as_stored(kquant_models, which, storage):
+    """A K-quant GGUF through 2 cuda ranks keeps its layer matrices as stored (each rank's lane: its rows, and
+    the super-blocks of its wo / w2 columns; the build is named with the file's types and nothing is
+    dequantized to BF16) and gives one rank's ids and the HF-style reference's on the file's values (the
+    fixtures' greedy margins are >= 0.1: the embedding and LM head are bf16 on the cuda backend)."""
+    path, c, held = kquant_models[which]
+    want = HFLlama(c, held).greedy(PROMPT, 12)[0]
+    one, log1 = kog_cuda(path, 1, "-n", "12", "--temperature", "0", log=True)
+    two, log2 = kog_cuda(path, 2, "-n", "12", "--temperature", "0", log=True)
+    for log in (log1, log2):
+        assert f"compiling monokernel ({storage}," in log, log[-2000:]
+        assert "dequantized to BF16" not in log, log[-2000:]
+    assert one["token_ids"] == want
+    assert two["token_ids"] == want

@@ -143,13 +143,26 @@ class GGUFSource(ModelSource):
         return None if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                          GGMLQuantizationType.BF16) else t.tensor_type.name
 
-    def blocks(self, name: str) -> tuple[np.ndarray, str]:
+    def blocks(self, name: str, rows: slice | None = None, cols: slice | None = None) -> tuple[np.ndarray, str]:
         """A quantized tensor's bytes as the file stores them ([rows, bytes a row], a view of the map) and its
-        GGML type's name: what a backend that keeps the blocks (the cuda backend's K-quants) reads."""
+        GGML type's name: what a backend that keeps the blocks (the cuda backend's K-quants) reads. `rows`:
+        only those rows; `cols`: of each row only the bytes of the blocks (super-blocks) that make up those
+        columns, which must start and end on the type's block boundaries (ValueError otherwise)."""
         t = self._t[name]
         data = np.asarray(t.data)
+        data = data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1)
+        if rows is not None:
+            data = data[rows]
+        if cols is not None and data.dtype != np.uint8:   # F32 / F16 tensors are served as their elements
+            data = data[:, cols]
+        elif cols is not None:
+            bs, ts = GGML_QUANT_SIZES[t.tensor_type]
+            if cols.start % bs or cols.stop % bs:
+                raise ValueError(f"{name}: columns {cols.start}..{cols.stop} do not fall on the "
+                                 f"{bs}-weight blocks of {t.tensor_type.name}")
+            data = data[:, cols.start // bs * ts:cols.stop // bs * ts]
         self.nbytes_read += data.nbytes
-        return data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1), t.tensor_type.name
+        return data, t.tensor_type.name
 
     def raw(self, name: str, lanes: range | None = None, rows: np.ndarray | None = None):
         t = self._t[name]

@@ -225,6 +225,8 @@ class HFSource(ModelSource):
         if rows is None:
             return sl[:]
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(rows) > 1 and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
+            return sl[int(rows[0]):int(rows[-1]) + 1]      # a range (a rank's LM head rows): one read
         # one small read per distinct row: a prompt's ids are scattered over a vocabulary of 10^5 rows
         uniq, inv = np.unique(rows, return_inverse=True)
         got = np.stack([sl[int(r):int(r) + 1][0] for r in uniq]) if len(uniq) else \

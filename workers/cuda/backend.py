@@ -331,11 +331,12 @@ class CudaBackend(Backend):
         ptr = lambda a: 0 if a is None else a.data.ptr
         p = ParamWords(N_PARAMS, MASK_LAYOUT) if self._mask_on else ParamWords(N_PARAMS)   # by mk_layout.cuh's names
         for name, a in (("w", self.dw.w), ("norms", self.dw.norms), ("fnorm", self.dw.fnorm), ("emb", self.dw.emb),
-                        ("lm", self.dw.lm), ("kc", kc), ("vc", vc), ("ctr", self.ctr), ("sortbuf", self.sortbuf),
+                        ("kc", kc), ("vc", vc), ("ctr", self.ctr), ("sortbuf", self.sortbuf),
                         ("dbg_logits", dbg), ("rope", self.rope), ("ws", self.dw.ws), ("bias", self.dw.bias),
                         ("wh", getattr(self.dw, "wh", None)), ("kt", getattr(self.dw, "kt", None)),
                         *((n, b[n]) for n in ("q", "attp", "hid", "part", "hres", "logits", "cand_v", "cand_i"))):
             p[name] = ptr(a)
+        p["lm"] = self.dw.lm_ptr()
         p["ring"], p["status"], p["cancel"] = self.ring.ptr, self.status.ptr, self.cancel.ptr
         if spec_k:
             st = np.zeros(SPEC_WORDS, np.int32)

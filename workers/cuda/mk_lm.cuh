@@ -1,100 +1,7 @@
 // mk_lm.cuh: part of monokernel.cu (pasted in place after mk_w2.cuh, the layers' last phase; not a
-// standalone header). Full sampling (sample_full) and the LM head phase (final norm, LM rows, each block's best
-// candidate; the last block picks or samples the token, writes it to the host's ring, checks the stops).
+// standalone header). The LM head phase (final norm, LM rows, each block's best candidate; the last block picks
+// or samples the token (mk_sample.cuh), writes it to the host's ring, checks the stops).
 #pragma once
-
-// full sampling (temperature / top-k / top-p) by one block; returns the token in every thread
-__device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter) {
-  const Params& p = NOINL_PARAMS(p_);
-  double* dred = reinterpret_cast<double*>(sm);    // [NW + 4]
-  int* ired = reinterpret_cast<int*>(sm + 2 * (NW + 8));
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  u64* buf = p.sortbuf;
-  // keys: logits descending (= probability descending), then index ascending
-  for (int v = tid; v < VPOW2; v += NT) {
-    u64 key = 0;
-    if (v < V) {
-      u32 b = __float_as_uint(ldf(p.logits + v));
-      b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);      // orderable
-      key = ((u64)b << 32) | (u64)(0xffffffffu - (u32)v);
-    }
-    buf[v] = key;
-  }
-  __syncthreads();
-  for (int k = 2; k <= VPOW2; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int x = tid; x < VPOW2; x += NT) {
-        const int y = x ^ j;
-        if (y > x) {
-          const u64 a = __ldcg(buf + x), b = __ldcg(buf + y);
-          const bool desc = (x & k) == 0;
-          if (desc ? (a < b) : (a > b)) { buf[x] = b; buf[y] = a; }
-        }
-      }
-      __syncthreads();
-    }
-  auto idx_of = [&](u64 key) { return (int)(0xffffffffu - (u32)(key & 0xffffffffu)); };
-  const double T = p.temperature;
-  const double zmax = (double)ldf(p.logits + idx_of(__ldcg(buf))) / T;
-  const int K = (p.top_k > 0 && p.top_k < V) ? (int)p.top_k : V;
-  // each thread owns a contiguous segment of the first K sorted candidates
-  const int seg = (K + NT - 1) / NT;
-  const int a = min(K, tid * seg), b = min(K, a + seg);
-  double loc = 0.0;
-  for (int x = a; x < b; ++x) loc += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
-  // exclusive scan of the segment sums (thread order = sorted order)
-  double incl = loc;
-  for (int o = 1; o < 32; o <<= 1) {
-    double y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) dred[warp] = incl;
-  __syncthreads();
-  if (tid == 0) {
-    double run = 0.0;
-    for (int w = 0; w < NW; ++w) { double t = dred[w]; dred[w] = run; run += t; }
-    dred[NW] = run;
-  }
-  __syncthreads();
-  const double before = dred[warp] + incl - loc;
-  const double total = dred[NW];
-  int Kp = K;
-  double total2 = total;
-  if (p.top_p < 1.0) {
-    if (tid == 0) ired[0] = K;
-    __syncthreads();
-    double c = before;
-    for (int x = a; x < b; ++x) {
-      c += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
-      if (c / total >= p.top_p) { atomicMin(ired, x + 1); break; }
-    }
-    __syncthreads();
-    Kp = ired[0];
-    __syncthreads();
-    // total of the kept prefix: recompute by the owner of its last element
-    if (a < Kp && Kp <= b) {
-      double c2 = before;
-      for (int x = a; x < Kp; ++x) c2 += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
-      dred[NW + 1] = c2;
-    }
-    __syncthreads();
-    total2 = dred[NW + 1];
-  }
-  const double u = uniform01(p.seed, counter);
-  if (tid == 0) ired[1] = Kp - 1;
-  __syncthreads();
-  {
-    double c = before;
-    for (int x = a; x < min(b, Kp); ++x) {
-      c += exp((double)ldf(p.logits + idx_of(__ldcg(buf + x))) / T - zmax);
-      if (c / total2 > u) { atomicMin(ired + 1, x); break; }
-    }
-  }
-  __syncthreads();
-  const int tok = idx_of(__ldcg(buf + ired[1]));
-  __syncthreads();
-  return tok;
-}
 
 // L2 prefetch of the block's LM head rows before it waits for the last layer (with the lane skew the
 // lanes that finish first wait longest): PF as the layers' phases (more measured neutral: docs/monokernel.md)
@@ -156,12 +63,6 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
             p.logits[r0 + r] = acc[r];
             if (p.dbg_logits) p.dbg_logits[(long long)n * V + r0 + r] = acc[r];
             if (acc[r] > best) { best = acc[r]; besti = r0 + r; }
-#if KOG_NRANKS > 1
-            if (!greedy)   // sampling: every rank needs every logit
-              for (int q = 0; q < NRK; ++q)
-                if (q != (int)kds.rank)
-                  kccl_ll_st((u64*)(kds.base[q] + foff) + FW_LOGITS + (r0 + r - 2 * u0), ftag, __float_as_uint(acc[r]));
-#endif
           }
       }
     }
@@ -239,17 +140,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
     next = last;
   } else {
 #if KOG_NRANKS > 1
-    {  // the other ranks' logits into p.logits (own rows: written by this rank's blocks)
-      const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, fe)) + FW_LOGITS;
-      const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
-      for (int v = tid; v < V; v += NT) {
-        const int q = v / (2 * U_LM);
-        if (q != (int)kds.rank) p.logits[v] = __uint_as_float(kccl_ll_get(kds, w0 + q * st + (v - q * 2 * U_LM), ftag, q, CH_FIN));
-      }
-      __syncthreads();
-    }
-#endif
+    next = sample_full_mr(p, sm, counter, n);   // from every rank's candidates (mk_sample.cuh)
+#else
     next = sample_full(p, sm, counter);
+#endif
   }
 #endif
 #if KOG_NRANKS > 1

@@ -56,7 +56,6 @@ __device__ __noinline__ bool mask_fetch(const Params& p_, u32* msk, int n) {
   return ok;
 }
 
-__device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter);   // mk_lm.cuh
 
 // the sampler with token n's mask (every thread of the last block; sm: the spent inputs): greedy, the masked
 // argmax over all the logits (the blocks' candidates know no mask); sampling, the forbidden logits set to -inf

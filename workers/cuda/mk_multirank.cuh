@@ -27,8 +27,11 @@ __shared__ int mr_flag_s, mr_cancel_s, mr_n_s;
 enum { CH_FIN = 3 };
 constexpr int FIN_FLOATS = L * D + 4;   // p.yfin: the rank's L normed rows, then its cancel word
 // LL words of a rank's final slot: the rows and the cancel word (mr_final), the rank's best logit and its
-// index (greedy), then the logits of the rank's LM rows (sampling: every rank samples from all V)
-constexpr int FW_CAND = L * D + 1, FW_LOGITS = L * D + 3, FIN_WORDS = FW_LOGITS + 2 * U_LM;
+// index (greedy), the logits of the rank's LM rows (sampling past the candidates: every rank samples from all
+// V), then the rank's sampling candidates (mk_sample.cuh sample_full_mr: 5 words, SCAND keys of 2 words)
+constexpr int SCAND = 4096 / NRK;
+constexpr int FW_CAND = L * D + 1, FW_LOGITS = L * D + 3, FW_SCAND = FW_LOGITS + 2 * U_LM,
+              FIN_WORDS = FW_SCAND + 5 + 2 * SCAND;
 // layers whose partials are posted: read by the early all-reduce and/or DELTA layers later
 __host__ __device__ constexpr bool mr_posted(int i) {
   return USE_COMM && ((i < DELTA && USE_EARLY) || (i + DELTA < NL && (i >= DELTA || EARLY_FUTURE)));

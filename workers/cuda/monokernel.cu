@@ -24,8 +24,9 @@
 //   mk_wo.cuh         phase WO (wo_stage_combine, phase_wo)
 //   mk_w13.cuh        phase W13 (phase_w13)
 //   mk_w2.cuh         phase W2 (phase_w2)
+//   mk_sample.cuh     sampling by the last block: the candidates near the max sorted in shared memory, else all V
 //   mk_mask.cuh       CFG_MASK 1: the host's token mask, waited for and applied by the sampler (structured outputs)
-//   mk_lm.cuh         the LM head and sampling (sample_full, phase_lm)
+//   mk_lm.cuh         the LM head (phase_lm)
 //   mk_spec.cuh       CFG_SPEC > 0: the layers' phases of a verify pass of up to CFG_SPEC positions (its row
 //                     loops in mk_spec_rows.cuh, included by it)
 //   mk_spec_lm.cuh    CFG_SPEC > 0: its LM head, acceptance, drafting on the device, the pass loop (spec_loop)
@@ -46,6 +47,7 @@ using namespace cfg;
 #include "mk_wo.cuh"
 #include "mk_w13.cuh"
 #include "mk_w2.cuh"
+#include "mk_sample.cuh"
 #if CFG_MASK
 #include "mk_mask.cuh"
 #endif

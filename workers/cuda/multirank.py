@@ -146,8 +146,9 @@ def lm_rows(cfg, rank: int, nranks: int) -> range:
 
 def fin_words(cfg, nranks: int) -> int:
     """LL words of a rank's final slot (mk_multirank.cuh FIN_WORDS): the normed rows [L/N][D], the cancel
-    word, the rank's best logit and its index, then the logits of its LM rows (sampling)."""
-    return (cfg.num_lanes // nranks) * cfg.hidden_size + 3 + 2 * lm_units(cfg, nranks)
+    word, the rank's best logit and its index, the logits of its LM rows (sampling past the candidates),
+    then its sampling candidates (5 words and 4096 // N keys of 2 words)."""
+    return (cfg.num_lanes // nranks) * cfg.hidden_size + 3 + 2 * lm_units(cfg, nranks) + 5 + 2 * (4096 // nranks)
 
 
 def ll_floats(cfg, nranks: int) -> int:

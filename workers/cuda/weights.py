@@ -19,6 +19,7 @@ import numpy as np
 from kog_dist.checkpoint import check_finite, check_finite_bits
 
 from . import kquant
+from .multirank import lm_rows
 
 STORAGE_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 QTYPES = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}          # CFG_QW of each quantized storage of the layer matrices
@@ -91,6 +92,14 @@ def streamed_bytes(cfg, dtype: str, ktypes: list | None = None) -> int:
     return matrix_bytes(layer_elems(cfg), dtype) * cfg.num_hidden_layers + lm
 
 
+def lm_rows_of(cfg) -> range:
+    """The LM head rows a config's weights hold: a rank's view (multirank.RankView) its share, else all."""
+    view = getattr(cfg, "full", None)
+    if view is None or cfg.nranks <= 1:
+        return range(cfg.vocab_size)
+    return lm_rows(view, cfg.rank, cfg.nranks)
+
+
 def _to_storage(arr: np.ndarray, dt: str, target: str) -> np.ndarray:
     from kog_dist.checkpoint import bf16_bits, to_float32
     if dt == target:
@@ -130,7 +139,11 @@ class DeviceWeights:
         self.norms = cp.empty((N, 2, L, D), dtype=cp.float32)
         self.fnorm = cp.empty((L, D), dtype=cp.float32)
         self.emb = cp.empty((V, D), dtype=st)
-        self.lm = self.emb if cfg.tie_word_embeddings else cp.empty((V, D), dtype=st)
+        # an untied head on one of several ranks holds only the rows that rank computes (multirank.lm_rows);
+        # the kernel indexes it by vocabulary id, so lm_ptr() hands it a base lm_row0 rows before the array
+        rows = lm_rows_of(cfg)
+        self.lm_row0 = rows.start if not cfg.tie_word_embeddings else 0
+        self.lm = self.emb if cfg.tie_word_embeddings else cp.empty((len(rows), D), dtype=st)
         rq = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * cfg.head_dim
         self.bias = cp.zeros((N, L, rq), dtype=cp.float32) if getattr(cfg, "attention_bias", False) else None
         self._scratch = None
@@ -250,6 +263,10 @@ class DeviceWeights:
         kernels.fn["f32_to_q"]((max(1, min(4096, (nb + 255) // 256)),), (256,),
                                (x, np.int64(e0 // 32), np.int64(nb), self.w, self.ws))
 
+    def lm_ptr(self) -> int:
+        """The kernel's p.lm: the address of vocabulary row 0, lm_row0 rows before a rank's own rows."""
+        return self.lm.data.ptr - self.lm_row0 * self.cfg.hidden_size * self.lm.itemsize
+
     @property
     def nbytes(self) -> int:
         n = self.w.nbytes + self.norms.nbytes + self.fnorm.nbytes + self.emb.nbytes
@@ -301,16 +318,25 @@ def default_dtype(src) -> str:
 
 def kquant_reason(src) -> str | None:
     """Why a source's K-quant layer matrices cannot run as stored (None: they can): rows of whole super-blocks,
-    gate and up of one type, one rank."""
+    gate and up of one type; split over N ranks (a tp_lanes.LaneSource), each lane's columns of wo and w2
+    (heads * head_dim / N, intermediate_size / N) whole super-blocks too."""
     cfg = src.cfg
-    if getattr(src, "tp_ranks", 1) > 1:
-        return f"split over {src.tp_ranks} ranks (K-quants run as stored on one rank)"
     dims = {"hidden_size": cfg.hidden_size, "heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
             "intermediate_size": cfg.intermediate_size}
     for name, v in dims.items():
         if v % 256:
             return f"{name}={v} is not a multiple of 256"
-    if not hasattr(src, "blocks"):
+    n = getattr(src, "tp_ranks", 1)
+    if n > 1:
+        cuts = src.column_cuts() if hasattr(src, "column_cuts") else None
+        if cuts is None:
+            return f"split over {n} ranks by a source that serves no lane blocks"
+        what = {"wo": "heads * head_dim", "w2": "intermediate_size"}
+        for m, v in cuts.items():
+            if v % 256:
+                return (f"split over {n} ranks, each rank's {m} columns ({what[m]} / {n} = {v}) are not a "
+                        f"multiple of the 256-weight super-blocks")
+    if not hasattr(getattr(src, "src", src) if n > 1 else src, "blocks"):
         return "the source serves no raw blocks"
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.feed_forward."
@@ -319,25 +345,35 @@ def kquant_reason(src) -> str | None:
     return None
 
 
-def _load_kquant(dw, src, i: int) -> None:
+def _load_kquant(dw, src, i: int, lanes: range | None = None) -> None:
     """Layer i's matrices from the file's super-blocks, re-laid on the device (kquant.relayout); W13's gate
-    and up rows interleaved as the layout wants."""
+    and up rows interleaved as the layout wants. `lanes`: the global lanes of dw's (local) lanes, read from a
+    lane view (tp_lanes.LaneSource.blocks: each lane's rows, or its super-block columns of wo / w2); None:
+    the one lane of a one-lane source."""
     import cupy as cp
     p = f"model.layers.{i}."
-    types, ranges = {}, {f: e0 for f, _, e0, _ in dw.field_ranges()}
+    types, ranges = {}, {(f, j): e0 for f, j, e0, _ in dw.field_ranges()}
+    if lanes is None and dw.cfg.num_lanes != 1:
+        raise ValueError(f"K-quant blocks of {dw.cfg.num_lanes} lanes need a lane view's blocks")
 
-    def blocks(name):
-        b, t = src.blocks(p + name + ".weight")
+    def blocks(name, g):
+        if lanes is None:
+            b, t = src.blocks(p + name + ".weight")
+        else:
+            b, t = src.blocks(p + name + ".weight", range(g, g + 1))
+            b = b[0]
         return kquant.relayout(cp.asarray(b), t, xp=cp), t, b.shape[0]
 
-    for field in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w2"):
-        arrs, types[field], _ = blocks(field)
-        dw.put_k(i, ranges[field], *arrs)
-    (n1, h1, r1), t, rows = blocks("feed_forward.w1")
-    (n3, h3, r3), _, _ = blocks("feed_forward.w3")
-    types["feed_forward.w13"] = t
-    pair = lambda a, b: None if a is None else cp.stack([a.reshape(rows, -1), b.reshape(rows, -1)], axis=1).reshape(-1)
-    dw.put_k(i, ranges["feed_forward.w13"], pair(n1, n3), pair(h1, h3), pair(r1, r3))
+    for j, g in enumerate(lanes if lanes is not None else (0,)):
+        for field in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w2"):
+            arrs, types[field], _ = blocks(field, g)
+            dw.put_k(i, ranges[field, j], *arrs)
+        (n1, h1, r1), t, rows = blocks("feed_forward.w1", g)
+        (n3, h3, r3), _, _ = blocks("feed_forward.w3", g)
+        types["feed_forward.w13"] = t
+        pair = lambda a, b: None if a is None else cp.stack([a.reshape(rows, -1), b.reshape(rows, -1)],
+                                                            axis=1).reshape(-1)
+        dw.put_k(i, ranges["feed_forward.w13", j], pair(n1, n3), pair(h1, h3), pair(r1, r3))
     dw.set_ktypes(i, types)
 
 
@@ -345,8 +381,8 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
                     kernels=None) -> DeviceWeights:
     """Read a checkpoint (a path or a tensor source: kog_dist.formats.open_model, CheckpointReader) and
     upload it in the streaming layout: all lanes, or with `view` (a multirank.RankView of this config) the
-    rank's lanes only (the embedding and the whole LM head are uploaded on every rank; each computes only
-    its share of the head's rows, multirank.lm_rows). Quantized storage needs `kernels` (a build of that
+    rank's lanes only (the embedding on every rank; of an untied LM head only the rows the rank computes,
+    multirank.lm_rows, read as a row range). Quantized storage needs `kernels` (a build of that
     storage: its f32_to_q); plain storage converts on the host. A source passed in stays open."""
     import cupy as cp
     from kog_dist.progress import Progress
@@ -355,8 +391,6 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     cfg = src.cfg
     dtype = dtype or default_dtype(src)
     dw = DeviceWeights(view if view is not None else cfg, dtype)
-    if dw.kq and view is not None:
-        raise ValueError("K-quant layer matrices run on one rank in this version (pass --dtype bf16 to split them)")
     if dw.kq and kquant_reason(src):
         raise ValueError(f"{dtype} storage of this checkpoint: {kquant_reason(src)}")
     if dw.qtype and kernels is None:
@@ -369,6 +403,10 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     # sample of rows (a full pass would cost the upload a second read), float32 tensors in full
     def raw(name, lane_first=False):
         a, dt = src.raw(name, lanes) if lane_first and lanes is not None else src.raw(name)
+        return _to_storage(check_finite_bits(name, a, dt, sample=256), dt, base)
+
+    def raw_rows(name, rows):
+        a, dt = src.raw(name, None, rows)
         return _to_storage(check_finite_bits(name, a, dt, sample=256), dt, base)
 
     def tensor(name, lane_first=False):
@@ -394,8 +432,9 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
     with Progress("uploading weights", total, unit=" parts", enabled=progress) as bar:
         for i in range(N):
             p = f"model.layers.{i}."
-            if dw.kq:
-                _load_kquant(dw, src, i)
+            if dw.kq:   # a lane view (tp_lanes.LaneSource): the rank's lanes, or all of them on one rank
+                _load_kquant(dw, src, i, (lanes if lanes is not None else range(dw.cfg.num_lanes))
+                             if getattr(src, "tp_ranks", 1) > 1 else None)
             else:
                 put(i, "qkv", np.concatenate([mat(p + "attention.wq.weight"), mat(p + "attention.wk.weight"),
                                               mat(p + "attention.wv.weight")], axis=1))
@@ -412,13 +451,19 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
         dw.fnorm[...] = cp.asarray(norm("model.norm"))
         dw.emb[...] = cp.asarray(raw("model.tok_embeddings.weight"))
         bar.advance(1)
-        if not cfg.tie_word_embeddings:
-            dw.lm[...] = cp.asarray(raw("lm_head.weight"))
+        if not cfg.tie_word_embeddings:   # a rank's rows only (DeviceWeights.lm_row0)
+            r = lm_rows_of(dw.cfg)
+            whole = r.start == 0 and r.stop == cfg.vocab_size
+            dw.lm[...] = cp.asarray(raw("lm_head.weight") if whole else
+                                    raw_rows("lm_head.weight", np.arange(r.start, r.stop)))
         bar.advance(1)
     if own:
         src.close()
     cp.cuda.Device().synchronize()
     return dw
+
+
+_RANDOM_STEP = 1 << 26   # draws a chunk of the random fills (whole blocks of 32 when quantized)
 
 
 def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = None) -> DeviceWeights:
@@ -438,17 +483,24 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
             h = (h * 1000003 + k + 1) % (1 << 62)
         return cp.random.default_rng(h)
 
-    step = 1 << 26
+    step = _RANDOM_STEP
 
-    def fill(dst, fan_in, rng, scale=1.0):
+    def fill(dst, fan_in, rng, scale=1.0, skip=0, total=None):
+        # elements [skip, skip + dst.size) of one stream of `total` draws (a rank's LM rows: the values the
+        # whole head has there, whatever the rank count)
         flat = dst.reshape(-1)
-        for a in range(0, flat.size, step):
-            n = min(step, flat.size - a)
+        total = flat.size if total is None else total
+        for a in range(0, min(total, skip + flat.size), step):
+            n = min(step, total - a)
             x = rng.standard_normal(n, dtype=cp.float32) * cp.float32(scale / np.sqrt(fan_in))
+            lo, hi = max(a, skip), min(a + n, skip + flat.size)
+            if lo >= hi:
+                continue
+            x, out = x[lo - a:hi - a], flat[lo - skip:hi - skip]
             if dw.base == "F32":
-                flat[a:a + n] = x
+                out[...] = x
             else:
-                conv((max(1, min(4096, (n + 255) // 256)),), (256,), (x, flat[a:a + n], cp.int64(n)))
+                conv((max(1, min(4096, (hi - lo + 255) // 256)),), (256,), (x, out, cp.int64(hi - lo)))
 
     D, N = cfg.hidden_size, cfg.num_hidden_layers
     fans = {"qkv": D, "wo": cfg.heads_per_lane * cfg.head_dim, "w13": D, "w2": cfg.ffn_per_lane}
@@ -493,7 +545,7 @@ def random_weights(cfg, dtype: str, kernels, seed: int = 0, std: float | None = 
     dw.fnorm[...] = norm_rows((), (3,))
     fill(dw.emb, 1, rng_of(4))
     if dw.lm is not dw.emb:
-        fill(dw.lm, D, rng_of(5), 2.0)
+        fill(dw.lm, D, rng_of(5), 2.0, dw.lm_row0 * D, cfg.vocab_size * D)
     cp.cuda.Device().synchronize()
     return dw
 
