@@ -32,7 +32,8 @@ class RankView:
         self.heads_per_lane = cfg.heads_per_lane
         self.kv_heads_per_lane = cfg.kv_heads_per_lane
         self.ffn_per_lane = cfg.ffn_per_lane
-        self.lm_rows = len(lm_rows(cfg, rank, nranks))     # the LM head rows this rank computes
+        self.lm_range = lm_rows(cfg, rank, nranks)         # the LM head rows this rank computes (and holds)
+        self.lm_rows = len(self.lm_range)
 
     def __getattr__(self, name):          # everything not lane-dependent: the model's
         return getattr(self.full, name)

@@ -19,7 +19,6 @@ import numpy as np
 from kog_dist.checkpoint import check_finite, check_finite_bits
 
 from . import kquant
-from .multirank import lm_rows
 
 STORAGE_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 QTYPES = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 3}          # CFG_QW of each quantized storage of the layer matrices
@@ -92,14 +91,6 @@ def streamed_bytes(cfg, dtype: str, ktypes: list | None = None) -> int:
     return matrix_bytes(layer_elems(cfg), dtype) * cfg.num_hidden_layers + lm
 
 
-def lm_rows_of(cfg) -> range:
-    """The LM head rows a config's weights hold: a rank's view (multirank.RankView) its share, else all."""
-    view = getattr(cfg, "full", None)
-    if view is None or cfg.nranks <= 1:
-        return range(cfg.vocab_size)
-    return lm_rows(view, cfg.rank, cfg.nranks)
-
-
 def _to_storage(arr: np.ndarray, dt: str, target: str) -> np.ndarray:
     from kog_dist.checkpoint import bf16_bits, to_float32
     if dt == target:
@@ -141,7 +132,7 @@ class DeviceWeights:
         self.emb = cp.empty((V, D), dtype=st)
         # an untied head on one of several ranks holds only the rows that rank computes (multirank.lm_rows);
         # the kernel indexes it by vocabulary id, so lm_ptr() hands it a base lm_row0 rows before the array
-        rows = lm_rows_of(cfg)
+        rows = getattr(cfg, "lm_range", range(V))
         self.lm_row0 = rows.start if not cfg.tie_word_embeddings else 0
         self.lm = self.emb if cfg.tie_word_embeddings else cp.empty((len(rows), D), dtype=st)
         rq = (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * cfg.head_dim
@@ -401,12 +392,8 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
 
     # a NaN or inf weight is refused with its name (kog_dist.checkpoint.check_finite): storage bits on a
     # sample of rows (a full pass would cost the upload a second read), float32 tensors in full
-    def raw(name, lane_first=False):
-        a, dt = src.raw(name, lanes) if lane_first and lanes is not None else src.raw(name)
-        return _to_storage(check_finite_bits(name, a, dt, sample=256), dt, base)
-
-    def raw_rows(name, rows):
-        a, dt = src.raw(name, None, rows)
+    def raw(name, lane_first=False, rows=None):
+        a, dt = src.raw(name, lanes) if lane_first and lanes is not None else src.raw(name, None, rows)
         return _to_storage(check_finite_bits(name, a, dt, sample=256), dt, base)
 
     def tensor(name, lane_first=False):
@@ -452,10 +439,8 @@ def load_checkpoint(model, cfg=None, dtype: str | None = None, progress=None, vi
         dw.emb[...] = cp.asarray(raw("model.tok_embeddings.weight"))
         bar.advance(1)
         if not cfg.tie_word_embeddings:   # a rank's rows only (DeviceWeights.lm_row0)
-            r = lm_rows_of(dw.cfg)
-            whole = r.start == 0 and r.stop == cfg.vocab_size
-            dw.lm[...] = cp.asarray(raw("lm_head.weight") if whole else
-                                    raw_rows("lm_head.weight", np.arange(r.start, r.stop)))
+            r = getattr(dw.cfg, "lm_range", None)
+            dw.lm[...] = cp.asarray(raw("lm_head.weight", rows=None if r is None else np.arange(r.start, r.stop)))
         bar.advance(1)
     if own:
         src.close()
