@@ -92,11 +92,6 @@ def generate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_backend(kind: str) -> str:
-    from workers.factory import resolve
-    return resolve(kind)
-
-
 def cmd_generate(argv) -> int:
     a = generate_parser().parse_args(argv)
     if a.prompt is None and a.prompt_ids is None:
@@ -108,9 +103,6 @@ def cmd_generate(argv) -> int:
     a.stop_ids = parse_ids(a.stop_ids, "--stop-ids")
     if a.speculative is not None and not 0 <= a.speculative <= MAX_DRAFT:
         raise UsageError(f"--speculative must be 0..{MAX_DRAFT} draft tokens, got {a.speculative}")
-    if a.json_schema is not None and a.nranks > 1 and (a.backend if a.backend in ("cpu", "cuda")
-                                                        else _resolve_backend(a.backend)) == "cuda":
-        raise UsageError("--json-schema on several ranks runs on the cpu backend in this build: add --backend cpu")
     if a.nranks > 1:
         return run_under_mpiexec(a)
     out = generate_one_process(a)

@@ -51,44 +51,71 @@ def test_mask_build_compiles(shape, dtype, tmp_path):
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-4000:]
 
 
+def _ranks_shape(name, n):
+    """The config one rank of n builds from: a one-lane model seen as n lanes (kog_dist/tp_lanes.py)."""
+    from kog_dist.tp_lanes import lanes_config
+    cfg = _shape(name)
+    return lanes_config(cfg, n) if cfg.num_lanes == 1 else cfg
+
+
 @needs_nvcc
-def test_mask_build_refuses_several_ranks_and_verify_passes(tmp_path):
-    """Constrained requests decode a token at a time on one rank: the kernel says so if asked otherwise."""
+@pytest.mark.parametrize("shape,dtype,n", [("smollm2-135m", "Q4_1", 3), ("llama3.2-1b", "Q4_K_M", 2),
+                                           ("llama3.1-8b", "Q4_K+Q6_K", 4), ("2b", "BF16", 2)])
+def test_mask_build_of_several_ranks_compiles(shape, dtype, n, tmp_path):
+    """Each rank masks its rows of the LM head before the ranks' exchange (mk_lm.cuh, sample_full_mr): the
+    tensor-parallel builds of one-lane models (the default model over 3 ranks, K-quants) and a model of lanes."""
+    from workers.cuda.build import defines
+    d = defines(_ranks_shape(shape, n), dtype, 132 // n, nranks=n, extra={"CFG_MASK": 1})
+    r = _nvcc(["-cubin", os.path.join(CUDA_DIR, "monokernel.cu"), "-o", str(tmp_path / "m.cubin")]
+              + [f"-D{k}={v}" for k, v in d.items()], tmp_path)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-4000:]
+
+
+@needs_nvcc
+def test_mask_build_refuses_verify_passes_and_ranks_without_candidates(tmp_path):
+    """Constrained requests decode a token at a time (no verify pass); on several ranks a rank's missing mask is
+    posted with its candidates, so a build without them (CFG_SAMPLE_M 0) is refused: the kernel says so."""
     from workers.cuda.build import defines
     for d, words in ((defines(_shape("smollm2-135m"), "BF16", 132, extra={"CFG_MASK": 1, "CFG_SPEC": 9}),
                       "a token at a time"),
-                     (defines(_shape("2b"), "BF16", 128, nranks=2, extra={"CFG_MASK": 1}), "one rank")):
+                     (defines(_ranks_shape("smollm2-135m", 3), "BF16", 44, nranks=3,
+                              extra={"CFG_MASK": 1, "CFG_SAMPLE_M": 0}), "CFG_SAMPLE_M > 0")):
         r = _nvcc(["-cubin", os.path.join(CUDA_DIR, "monokernel.cu"), "-o", str(tmp_path / "m.cubin")]
                   + [f"-D{k}={v}" for k, v in d.items()], tmp_path)
         assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
 
 
 @needs_nvcc
-def test_mask_params_words_are_the_hosts(tmp_path):
-    """The CFG_MASK build's Params fields sit where params.MASK_LAYOUT packs them (the multi-rank fields' words,
-    one rank only), the struct fits the host's N_PARAMS words, and the kernel's mask size and wait counters are
-    mask.py's."""
+@pytest.mark.parametrize("n", [1, 3])
+def test_mask_params_words_are_the_hosts(n, tmp_path):
+    """The CFG_MASK build's Params fields sit where the host packs them: params.MASK_LAYOUT with one rank (the
+    multi-rank fields' words), MR_MASK_LAYOUT with several (after those fields); the struct fits the host's
+    N_PARAMS words, and the kernel's mask size and wait counters are mask.py's."""
     from workers.cuda import mask
     from workers.cuda.build import defines
     from workers.cuda.host import N_PARAMS
-    from workers.cuda.params import LAYOUT, MASK_LAYOUT
+    from workers.cuda.params import LAYOUT, MASK_LAYOUT, MR_MASK_LAYOUT
     names = ("mask", "mask_ready", "mask_stat", "mask_wait_ns")
     prog = tmp_path / "layout.cu"
     prog.write_text(f'#include "{os.path.join(CUDA_DIR, "monokernel.cu")}"\n#include <cstdio>\n#include <cstddef>\n'
                     "int main() { printf(\"%d %d %d %d %d %d %d %d\\n\", "
                     + ", ".join(f"(int)(offsetof(Params, {n}) / 8)" for n in names)
                     + ", (int)(sizeof(Params) / 8), MASK_WORDS, (int)MS_TIMEOUTS, (int)offsetof(Params, kt) / 8); }\n")
-    cfg = _shape("smollm2-135m")
+    cfg = _ranks_shape("smollm2-135m", n)
     r = _nvcc([str(prog), "-o", str(tmp_path / "layout")]
-              + [f"-D{k}={v}" for k, v in defines(cfg, "Q4_1", 132, extra={"CFG_MASK": 1}).items()], tmp_path)
+              + [f"-D{k}={v}" for k, v in defines(cfg, "Q4_1", 132 // n, nranks=n, extra={"CFG_MASK": 1}).items()],
+              tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     got = [int(x) for x in subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True,
                                           check=True).stdout.split()]
-    assert got[:4] == [MASK_LAYOUT[n][0] for n in names] == [68, 69, 70, 71]
-    assert got[4] == 72 <= N_PARAMS
+    layout = MASK_LAYOUT if n == 1 else MR_MASK_LAYOUT
+    first = 68 if n == 1 else 73      # after kt (67), or after kd, e0[3], yfin (68 .. 72)
+    assert got[:4] == [layout[x][0] for x in names] == list(range(first, first + 4))
+    assert got[4] == first + 4 <= N_PARAMS
     assert got[5] == mask.mask_words(cfg.vocab_size) == 1536 and got[6] == mask.STAT_TIMEOUTS
-    assert got[7] == LAYOUT["kt"][0] == MASK_LAYOUT["kt"][0]
+    assert got[7] == LAYOUT["kt"][0] == layout["kt"][0]
     assert not set(names) & set(LAYOUT) and {"kd", "e0", "yfin"}.isdisjoint(MASK_LAYOUT)
+    assert [MR_MASK_LAYOUT[x] for x in ("kd", "e0", "yfin")] == [LAYOUT[x] for x in ("kd", "e0", "yfin")]
 
 
 def _strip_mask(src: str) -> str:
@@ -228,17 +255,6 @@ def test_pipeline_gives_the_cpu_backends_draws(tiny, temperature):
     assert got == ref and got[-1] in g.lltok.eos_tokens
     jsonschema.validate(json.loads(tok.decode(got)), SCHEMA)
     assert dm.g.tokens == len(got) and dm.g.mask_s > 0 and dm.host_s >= dm.g.mask_s
-
-
-def test_cuda_backend_refuses_constrained_requests_on_several_ranks():
-    """One line, before any GPU work (a shell of the backend: no CuPy needed)."""
-    from kog_dist.backend import RunCommand
-    from workers.cuda.backend import CudaBackend
-    b = object.__new__(CudaBackend)
-    b.cp = b.cfg = None
-    b.comm = object()
-    with pytest.raises(ValueError, match="structured outputs run on one rank in this build"):
-        CudaBackend.run(b, RunCommand(append=[1], max_new_tokens=1, grammar=object()))
 
 
 def test_cuda_backend_speculation_and_stops_of_a_constrained_request():

@@ -799,5 +799,5 @@ def test_params_layout_matches_the_backend():
     with pytest.raises(ValueError):
         p["stop_ids"] = list(range(17))                  # 16 words
     bsrc = open(os.path.join(REPO, "workers", "cuda", "backend.py")).read()
-    assert "ParamWords(N_PARAMS)" in bsrc and "h[" not in bsrc    # no word written by index
+    assert "ParamWords(N_PARAMS, layout)" in bsrc and "h[" not in bsrc    # no word written by index
     assert mr.TAGS == ("attn", "mlp", "final")

@@ -218,6 +218,65 @@ def test_default_model_through_three_cuda_ranks():
 
 
 @pytest.fixture(scope="module")
+def grammar_model(tmp_path_factory):
+    """An HF llama of 8 heads (2 KV heads) with a tokenizer llguidance takes (tests/grammar_helpers.py: 420 ids
+    of a vocabulary of 512) and the person schema as a file."""
+    from grammar_helpers import SCHEMA, write_tokenizer
+    d = str(tmp_path_factory.mktemp("cuda_tp_grammar"))
+    c = tiny_hf_config(num_attention_heads=8, num_key_value_heads=2, vocab_size=512, num_hidden_layers=3,
+                       hidden_size=256, intermediate_size=512)
+    write_hf_dir(d, c, random_hf_tensors(c, 5))
+    write_tokenizer(d)
+    schema = f"{d}/person.schema.json"
+    with open(schema, "w") as f:
+        json.dump(SCHEMA, f)
+    return d, schema, SCHEMA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+@pytest.mark.parametrize("sampling", [("--temperature", "0"), ("--temperature", "1.0", "--seed", "3"),
+                                      ("--temperature", "0.9", "--top-p", "0.95", "--seed", "11")],
+                         ids=["greedy", "t1", "t09-topp"])
+def test_json_schema_through_cuda_ranks_is_one_ranks_and_validates(grammar_model, sampling):
+    """Structured outputs on tensor-parallel cuda ranks: every rank's host runs the grammar on the same tokens and
+    its kernel masks its rows of the LM head before the ranks' exchange (mk_lm.cuh, sample_full_mr: a shard the
+    mask forbids entirely is no candidate). The ids are one rank's, greedy and sampled, and the object validates."""
+    import jsonschema
+    path, schema, want = grammar_model
+    args = ["-n", "120", "--json-schema", schema, "--raw", *sampling]
+    one = kog_cuda(path, 1, *args, prompt="Give a person as JSON: ")
+    assert one["stats"]["stop_reason"] == "eos", one["text"]
+    jsonschema.validate(json.loads(one["text"]), want)
+    free = kog_cuda(path, 1, "-n", str(len(one["token_ids"])), "--raw", *sampling, prompt="Give a person as JSON: ")
+    assert free["token_ids"] != one["token_ids"]          # the mask is what makes it parse
+    for n in (2, 4):
+        got = kog_cuda(path, n, *args, prompt="Give a person as JSON: ")
+        assert got["token_ids"] == one["token_ids"], n
+        assert got["stats"]["stop_reason"] == "eos"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_why is not None, reason=f"needs CuPy and a CUDA GPU: {_why}")
+def test_default_model_json_schema_through_three_cuda_ranks():
+    """The cpu ranks' test (tests/test_tp.py) on cuda ranks: the default model's object over 3 ranks is one
+    rank's, greedy and sampled, and validates."""
+    import jsonschema
+    import tempfile
+    if not default_gguf_path():
+        pytest.skip("the default model is not fetched (any kog command online fetches it)")
+    from test_tp import PERSON
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(PERSON, f)
+    for extra in (("--temperature", "0"), ("--temperature", "0.9", "--seed", "7")):
+        args = ("-n", "48", "--json-schema", f.name, *extra)
+        one = kog_cuda(None, 1, *args, prompt="Ada Lovelace as JSON")
+        three = kog_cuda(None, 3, *args, prompt="Ada Lovelace as JSON")
+        assert three["token_ids"] == one["token_ids"], extra
+        jsonschema.validate(json.loads(three["text"]), PERSON)
+
+
+@pytest.fixture(scope="module")
 def kquant_models(tmp_path_factory):
     from test_tp_kquant import write_kquant_models
     return write_kquant_models(tmp_path_factory.mktemp("cuda_tp_kquant"))

@@ -24,7 +24,7 @@ from .host import (MAX_EOS, MAX_STOP, N_PARAMS, REASONS, SPEC_MIN_NGRAM, SPEC_PR
                    SW_ACCEPTED, SW_DRAFTED, SW_K, SW_PROBE, SW_STEPS, _KEEP, _Mapped, _cuda_error, hang_report,
                    rope_table)
 from .mask import masked_build
-from .params import MASK_LAYOUT, ParamWords
+from .params import LAYOUT, MASK_LAYOUT, MR_MASK_LAYOUT, ParamWords
 
 
 class CudaBackend(Backend):
@@ -34,6 +34,8 @@ class CudaBackend(Backend):
     checkpoint's own (weights.default_dtype). `speculative`: the backend will serve speculative requests
     (a server's default): both builds take the thread count that suits the verify passes
     (build.speculating_defines); without it a speculative request still runs, on the plain build's."""
+
+    grammar_on_ranks = True   # several ranks: each rank's host runs the grammar, its kernel masks its rows
 
     def __init__(self, model=None, lanes=None, max_seq=None, num_slots: int = 4, comm=None,
                  progress=None, *, cfg=None, weights=None, dtype: str | None = None, nblocks: int | None = None,
@@ -188,8 +190,6 @@ class CudaBackend(Backend):
         self._timing_token = timing_token
         self._spec_fixed = spec_fixed       # (speculative) every pass drafts this many tokens: its cost
         cp, cfg = self.cp, self.cfg
-        if cmd.grammar is not None and self.comm is not None:
-            raise ValueError("structured outputs run on one rank in this build")
         check_command(cmd, self.cached(cmd.slot), cfg.vocab_size, self.max_seq, self.num_slots)
         clock = Clock()
         held = self.tokens[cmd.slot][:cmd.keep]
@@ -329,7 +329,8 @@ class CudaBackend(Backend):
     def _params(self, kc, vc, first, start_pos, max_new, sp, eos, stop, dbg, spec_k=0, context=None):
         b = self.sbuf if spec_k else self.buf
         ptr = lambda a: 0 if a is None else a.data.ptr
-        p = ParamWords(N_PARAMS, MASK_LAYOUT) if self._mask_on else ParamWords(N_PARAMS)   # by mk_layout.cuh's names
+        layout = (MR_MASK_LAYOUT if self.nranks > 1 else MASK_LAYOUT) if self._mask_on else LAYOUT
+        p = ParamWords(N_PARAMS, layout)   # by mk_layout.cuh's names
         for name, a in (("w", self.dw.w), ("norms", self.dw.norms), ("fnorm", self.dw.fnorm), ("emb", self.dw.emb),
                         ("kc", kc), ("vc", vc), ("ctr", self.ctr), ("sortbuf", self.sortbuf),
                         ("dbg_logits", dbg), ("rope", self.rope), ("ws", self.dw.ws), ("bias", self.dw.bias),
@@ -438,6 +439,11 @@ class CudaBackend(Backend):
                     if not 0 <= tok < V:
                         if gm is not None and gm.timed_out():
                             raise RuntimeError(f"monokernel: no token mask for token {seen} within {self.mask_wait_s} s")
+                        if gm is not None and tok == -1 and self.comm is not None:
+                            # a peer's sampler had no mask (its host cancelled while the kernel waited): every
+                            # rank ended at this token without one
+                            reason = "cancel"
+                            break
                         raise RuntimeError(f"monokernel: token {seen} not written (read {tok})")
                     seen += 1
                     toks.append(tok)

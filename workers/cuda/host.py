@@ -16,7 +16,7 @@ SPEC_PROBE = 8        # kog_dist.speculative.AdaptiveDraft's probe_every
 SPEC_MIN_NGRAM = 3    # the shortest context match that drafts, and the first draft's size (AdaptiveDraft's start;
 SPEC_START = 4        # it doubles up to k while accepted): bench/spec_replay.py chose 3:4, bench/spec_policy.py
 #                       measured it (BENCHMARKS.md "Speculative verify passes")
-N_PARAMS = 74   # words of the host copy of Params (mk_layout.cuh's struct: 68, 73 with several ranks)
+N_PARAMS = 78   # words of the host copy of Params (mk_layout.cuh's struct: 68, 73 with several ranks, 77 with their mask)
 MAX_STOP, MAX_EOS = 16, 8
 # CuPy events of launches that failed with a CUDA error, or with several ranks (a peer lost, a kccl
 # error; the context may have faulted): kept to the process's end, since destroying them in a faulted

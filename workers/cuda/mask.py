@@ -39,7 +39,8 @@ def masked_build(b, matcher) -> "DeviceMask":
         from .build import build
         dtype, prefetch, extra, progress = b._spec_build
         marks = str(b.k.defines.get("CFG_MARKS", 0)) == "1"
-        b.km = build(b.cfg, dtype, b.nblocks, prefetch, progress=progress, extra={**extra, "CFG_MASK": 1}, marks=marks)
+        b.km = build(b.cfg, dtype, b.nblocks, prefetch, progress=progress, extra={**extra, "CFG_MASK": 1},
+                     nranks=b.nranks, marks=marks)
         b.dmask = DeviceMask(b.cfg.vocab_size, stat=b.cp.zeros(STAT_WORDS, b.cp.uint64))
     b.dmask.start(matcher)
     return b.dmask

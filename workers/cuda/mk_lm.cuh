@@ -92,19 +92,32 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
 #endif
   const u64 counter = (u64)(p.start_pos + n + 1);
   int next;
-#if CFG_MASK
+#if CFG_MASK && KOG_NRANKS == 1
   next = mask_sample(p, sm, n, greedy, counter);   // the host's mask applied (mk_mask.cuh); -1: none came
 #else
+#if CFG_MASK
+  // several ranks: the mask on the rank's rows (greedy: its masked argmax); a rank without its mask posts that in
+  // the exchange below, and every rank then ends at this token with no token (-1)
+  const int mv0 = min(V, 2 * (int)kds.rank * U_LM), mv1 = min(V, 2 * ((int)kds.rank + 1) * U_LM);
+  float mbest = NEG_INF;
+  int mbesti = 0x7fffffff;
+  const bool have_mask = mask_rows(p, sm, n, greedy, mv0, mv1, mbest, mbesti);
+#endif
   if (greedy) {
-    // (max logit, lowest index) over the blocks' candidates: every thread one load, a warp then a block
-    // reduction (thread 0 alone took 16 rounds of loads)
     float bb = NEG_INF;
     int bidx = 0x7fffffff;
+#if CFG_MASK
+    bb = mbest;
+    bidx = mbesti;
+#else
+    // (max logit, lowest index) over the blocks' candidates: every thread one load, a warp then a block
+    // reduction (thread 0 alone took 16 rounds of loads)
     for (int b = tid; b < NB; b += NT) {
       const float v = ldf(p.cand_v + b);
       const int ix = __ldcg(p.cand_i + b);
       if (v > bb || (v == bb && ix < bidx)) { bb = v; bidx = ix; }
     }
+#endif
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, bb, o);
@@ -118,11 +131,18 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
         if (bv[w] > bb || (bv[w] == bb && bi[w] < bidx)) { bb = bv[w]; bidx = bi[w]; }
 #if KOG_NRANKS > 1
       // the rank's best to every peer, then theirs: (max logit, lowest index) over all V, as with one rank
+#if CFG_MASK
+      bool none = !have_mask;
+#endif
       for (int q = 0; q < NRK; ++q)
         if (q != (int)kds.rank) {
           u64* w = (u64*)(kds.base[q] + foff) + FW_CAND;
           kccl_ll_st(w, ftag, __float_as_uint(bb));
+#if CFG_MASK
+          kccl_ll_st(w + 1, ftag, (unsigned)(have_mask ? bidx : MASK_NONE));
+#else
           kccl_ll_st(w + 1, ftag, (unsigned)bidx);
+#endif
         }
       const u64* w0 = (const u64*)(kds.base[kds.rank] + mr_ll_off(CH_FIN, 0, fe)) + FW_CAND;
       const long long st = (long long)MR_DEPTH * kds.slot_bytes / 8;
@@ -130,16 +150,24 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
         if (q != (int)kds.rank) {
           const float ov = __uint_as_float(kccl_ll_get(kds, w0 + q * st, ftag, q, CH_FIN));
           const int oi = (int)kccl_ll_get(kds, w0 + q * st + 1, ftag, q, CH_FIN);
+#if CFG_MASK
+          if (oi == MASK_NONE) { none = true; continue; }
+#endif
           if (ov > bb || (ov == bb && oi < bidx)) { bb = ov; bidx = oi; }
         }
 #endif
       if (bidx == 0x7fffffff) bidx = 0;   // all NaN: a broken model; still return something
+#if CFG_MASK
+      if (none) bidx = -1;
+#endif
       last = bidx;
     }
     __syncthreads();
     next = last;
   } else {
-#if KOG_NRANKS > 1
+#if KOG_NRANKS > 1 && CFG_MASK
+    next = sample_full_mr(p, sm, counter, n, !have_mask);   // -1 on every rank when one had no mask
+#elif KOG_NRANKS > 1
     next = sample_full_mr(p, sm, counter, n);   // from every rank's candidates (mk_sample.cuh)
 #else
     next = sample_full(p, sm, counter);

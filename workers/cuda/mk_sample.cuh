@@ -283,6 +283,9 @@ __device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter
 // any rank left out are the first of the full order, so the draw from them is one rank's draw. Past them
 // (rare: a flat distribution, a tail draw) every rank posts its shard's logits and samples from all V.
 constexpr int MR_KEYS = SAMPLE_M / NRK < SCAND ? SAMPLE_M / NRK : SCAND;
+#if CFG_MASK
+constexpr int MASK_NONE = -2;   // the count (or greedy's index) a rank posts when its mask did not come
+#endif
 __device__ __forceinline__ u32 shard_word(const Shard& sh, const u64* keys, int x) {   // word x of the post
   if (x >= 5) {
     const u64 k = keys[(x - 5) >> 1];
@@ -292,7 +295,12 @@ __device__ __forceinline__ u32 shard_word(const Shard& sh, const u64* keys, int 
   return x == 0 ? (u32)sh.n : x == 1 ? __float_as_uint(sh.m) : x == 2 ? __float_as_uint(sh.c)
        : x == 3 ? (u32)zb : (u32)(zb >> 32);
 }
+// nomask (CFG_MASK): this rank's token mask did not come; posted as the shard's count, every rank returns -1
+#if CFG_MASK
+__device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 counter, int n, bool nomask) {
+#else
 __device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 counter, int n) {
+#endif
   const Params& p = NOINL_PARAMS(p_);
   const int tid = threadIdx.x, rk = (int)kds.rank;
   const int v0 = min(V, 2 * rk * U_LM), v1 = min(V, 2 * (rk + 1) * U_LM);   // the rank's rows (phase_lm)
@@ -307,7 +315,12 @@ __device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 coun
     int* cnt = reinterpret_cast<int*>(hdr + 40);
     u64* keys = reinterpret_cast<u64*>(reinterpret_cast<char*>(sm) + SM_SAMPLE_HEAD);   // [NRK][MR_KEYS]
     u64* mine = keys + rk * MR_KEYS;
-    const Shard sh = shard_candidates(p, sm, v0, v1, MR_KEYS, mine);
+    Shard sh = shard_candidates(p, sm, v0, v1, MR_KEYS, mine);
+#if CFG_MASK
+    // a shard the mask forbids entirely is no candidate (its weights are 0), not a reason for the full sort
+    if (sh.n < 0 && sh.m == NEG_INF) sh = Shard{0, NEG_INF, NEG_INF, 0.0};
+    if (nomask) sh.n = MASK_NONE;
+#endif
     const int nw = 5 + 2 * max(sh.n, 0);   // [n (< 0: no finite maximum or sum), m, c, z lo, z hi], keys (lo, hi)
     for (int x = tid; x < nw; x += NT) {
       const u32 v = shard_word(sh, mine, x);
@@ -321,10 +334,16 @@ __device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 coun
     if (tid == 0) *cnt = 0;
     __syncthreads();
     bool ok = true;
+#if CFG_MASK
+    bool none = false;
+#endif
     float M = NEG_INF, C = NEG_INF;
     for (int q = 0; q < NRK; ++q) {
       const int nq = (int)hdr[5 * q];
       if (nq < 0) ok = false;
+#if CFG_MASK
+      if (nq == MASK_NONE) none = true;
+#endif
       M = fmaxf(M, __uint_as_float(hdr[5 * q + 1]));
       C = fmaxf(C, __uint_as_float(hdr[5 * q + 2]));
       if (q != rk)
@@ -341,6 +360,9 @@ __device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 coun
       Z += zq * exp((double)__uint_as_float(hdr[5 * q + 1]) / p.temperature - (double)M / p.temperature);
     }
     __syncthreads();
+#if CFG_MASK
+    if (none) return -1;   // the same headers on every rank: every rank leaves here, before the logits' exchange
+#endif
     if (ok && M > NEG_INF) {
       sort_keys(keys, NRK * MR_KEYS);
       int valid = 0;   // the keys above every rank's largest logit left out (padding, key 0, reads as NaN)

@@ -50,6 +50,7 @@ def read_layout(text: str | None = None, skip: tuple = ("CFG_MASK",)) -> dict[st
 
 LAYOUT = read_layout()
 MASK_LAYOUT = read_layout(skip=("KOG_NRANKS > 1",))   # CFG_MASK 1 (one rank): its fields after the common ones
+MR_MASK_LAYOUT = read_layout(skip=())                 # CFG_MASK 1, several ranks: after the multi-rank fields
 
 
 class ParamWords:
