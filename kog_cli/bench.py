@@ -115,7 +115,8 @@ def measure(backend, args, log=_say) -> dict:
         from workers.cuda.bench_kernel import format_breakdown, phase_breakdown, streamed_by_kind
         prompt = _ids(rng, args.prompt, V)
         bds = []
-        for k in (8, 200, 400):
+        steps = [k for k in (8, 200, 400) if k < args.gen] or [args.gen - 1]   # a step the decode reaches
+        for k in steps:
             backend.run(RunCommand(slot=0, keep=0, append=prompt, max_new_tokens=min(args.gen, k + 2),
                                    sampling=sampling), ignore_eos=True, timing_token=k)
             bds.append(phase_breakdown(backend.last_timing, cfg.num_hidden_layers, cfg.num_lanes))
@@ -123,7 +124,7 @@ def measure(backend, args, log=_say) -> dict:
         from workers.cuda.weights import matrix_bytes
         sb = streamed_by_kind(cfg, matrix_bytes(1 << 20, backend.dw.dtype) / (1 << 20))
         sb["lm"] = streamed_bytes(cfg, backend.dw.dtype, ktypes) - sum(v for k, v in sb.items() if k != "lm")
-        for k, bd in zip((8, 200, 400), bds):
+        for k, bd in zip(steps, bds):
             log(f"phase breakdown of decode step {k} (context {args.prompt + k}):\n" + format_breakdown(bd, sb))
     if args.ctx and args.ctx <= backend.max_seq:
         decode_row(args.ctx - args.ctx_gen, args.ctx_gen, "tg_ctx")
