@@ -9,8 +9,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/rows_gap}
 mkdir -p "$OUT"
 echo "commit $(git describe --always --dirty 2>/dev/null); $(nvidia-smi -L | head -1)" | tee "$OUT/summary.txt"
-timeout 120 python3 bench/q4_rows.py --shapes 8b.w13,8b.w2 --quick --budget 90 --out "$OUT/q4_rows" > "$OUT/q4_rows.log" 2>&1
-grep -A30 "best of each" "$OUT/q4_rows.log" | tee -a "$OUT/summary.txt"
+if [ -z "$NOROWS" ]; then   # NOROWS=1: the in-kernel profiles only
+  timeout 120 python3 bench/q4_rows.py --shapes 8b.w13,8b.w2 --quick --budget 90 --out "$OUT/q4_rows" > "$OUT/q4_rows.log" 2>&1
+  grep -A30 "best of each" "$OUT/q4_rows.log" | tee -a "$OUT/summary.txt"
+fi
 for v in ${VARIANTS:-base}; do
   d=$([ "$v" = base ] || echo "--define $v")
   tag=$(echo "$v" | tr '=,' '__')
