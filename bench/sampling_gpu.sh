@@ -4,7 +4,7 @@
 # token) and now (the candidates near the maximum, the full sort only where they cannot decide), in one run.
 # The real default model where ~/.cache/kog_dist holds it (bench/put_model.sh), and the llama3.2-1b shape (random
 # weights, V = 128256), or SOURCES=smol (the smollm2-135m shape); ROWS picks the samplers (greedy t1 t07p09
-# t01). From the repository root with .whl carried; logs under $OUT, the rows in $OUT/sampling.txt.
+# t01). The model's rows decode from a chat prompt (TEXT), the shapes' from random ids. From the repository root with .whl carried; logs under $OUT, the rows in $OUT/sampling.txt.
 #   bash bench/sampling_gpu.sh                  # ROWS="greedy t1 t07p09" by default; REPS=3 GEN=256
 cd "$(dirname "$0")/.." || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -22,7 +22,8 @@ row() {   # row NAME ARGS...: one kog bench, its tg row into sampling.txt
 for src in ${SOURCES:-model 1b}; do
   case $src in
     model) [ -f "$MODEL" ] || { echo "no default model here (bench/put_model.sh)" | tee -a "$OUT/sampling.txt"; continue; }
-           a=(--model "$MODEL" --dtype ${DTYPE:-q4_1}) ;;
+           # a real prompt (kog bench --text): the model's own distribution, not that after random ids
+           a=(--model "$MODEL" --dtype ${DTYPE:-q4_1} --text "${TEXT:-Write a short story about a lighthouse keeper.}") ;;
     1b) a=(--shape llama3.2-1b --dtype bf16) ;;
     smol) a=(--shape smollm2-135m --dtype bf16) ;;
   esac

@@ -64,6 +64,32 @@ def _ids(rng, n, V):
     return [int(x) for x in rng.integers(3, V, n)]
 
 
+def _text_ids(args) -> str | None:
+    """--text: its chat-encoded ids into args.text_ids and their count into args.prompt; an error line or None."""
+    args.text_ids = None
+    if args.text is None:
+        return None
+    if not args.model or args.nranks != 1 or args.speculative:
+        return "--text takes --model, one process and no --speculative (the agent tasks have their own prompts)"
+    from kog_dist.formats import FormatError, open_model
+    from kog_dist.models import ModelNotFound, resolve_model
+    from kog_dist.tokenizer import load_tokenizer
+    try:
+        src = open_model(resolve_model(args.model), progress=False)
+    except (ModelNotFound, FormatError, ValueError, OSError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    try:
+        tok = load_tokenizer(src)
+        args.text_ids = (tok.encode_chat([{"role": "user", "content": args.text}]) if tok.has_chat_template
+                         else tok.encode(args.text))    # a model without a template: the text as it is
+    finally:
+        src.close()
+    if not args.text_ids:
+        return "--text gives no tokens"
+    args.prompt = len(args.text_ids)
+    return None
+
+
 def measure(backend, args, log=_say) -> dict:
     """The monokernel rows. Returns a dict of measurements."""
     import numpy as np
@@ -95,7 +121,7 @@ def measure(backend, args, log=_say) -> dict:
     log(f"pp{args.pp}: TTFT {out['pp']['ttft_ms']:.2f} ms (prefill {out['pp']['prefill_ms']:.2f} ms)")
 
     def decode_row(plen, gen, key):
-        prompt = _ids(rng, plen, V)
+        prompt = list(args.text_ids) if key == "tg" and args.text_ids else _ids(rng, plen, V)
         r = run(prompt, gen)
         tps, host = [], []
         for _ in range(args.reps):
@@ -113,7 +139,7 @@ def measure(backend, args, log=_say) -> dict:
     decode_row(args.prompt, args.gen, "tg")
     if args.profile:
         from workers.cuda.bench_kernel import format_breakdown, phase_breakdown, streamed_by_kind
-        prompt = _ids(rng, args.prompt, V)
+        prompt = list(args.text_ids) if args.text_ids else _ids(rng, args.prompt, V)
         bds = []
         steps = [k for k in (8, 200, 400) if k < args.gen] or [args.gen - 1]   # a step the decode reaches
         for k in steps:
@@ -142,6 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
     ap.add_argument("--pp", type=int, default=1024, help="prompt tokens for the prefill / TTFT row")
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--text", help="the decode rows start from this text, a user turn of the model's chat template "
+                                   "(as it is without one; --model, one process), instead of --prompt random ids: a "
+                                   "real prompt's distribution for the sampled rows")
     ap.add_argument("--gen", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=4096, help="context of the long-context decode row (0: skip)")
     ap.add_argument("--ctx-gen", type=int, default=128)
@@ -176,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument(IN_MPI, action="store_true", dest="in_mpi", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    err = _check_sizes(args)
+    err = _check_sizes(args) or _text_ids(args)
     if err:
         print(f"kog bench: error: {err}", file=sys.stderr)
         return 2

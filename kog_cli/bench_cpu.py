@@ -85,7 +85,7 @@ def run(args, say) -> dict:
     ttft = statistics.median(go(prompt, 1).first_token_ms for _ in range(args.reps))
     out = {"pp": {"prompt": args.pp, "ttft_ms": ttft, "tokens_per_s": args.pp / (ttft / 1e3)},
            "load_s": load_s, "streamed_bytes_per_token": streamed, "blas_threads": blas_threads()}
-    prompt = ids(args.prompt)
+    prompt = list(args.text_ids) if getattr(args, "text_ids", None) else ids(args.prompt)
     default, rows = backend.decoder, []
     mine = "auto" if default.chooser else str(default.threads)
     settings = thread_settings(os.cpu_count() or 1, blas_threads() is not None)

@@ -172,3 +172,24 @@ def test_pass_cost_divides_by_the_passes_run():
         assert abs(r["vs_plain"] - cost[r["positions"]] / cost["plain"]) < 1e-9
         assert abs(r["pass_us"] - cost[r["positions"]] * 1e3) < 1e-6
     assert len(seen) == 8 and all(n == 16 and g == 64 for _, n, g in seen)
+
+
+def test_cpu_bench_text_prompt_is_the_models_tokens(tmp_path):
+    """--text: the decode rows start from the text's tokens (as `kog generate --raw` encodes them for a model without
+    a chat template), so their greedy ids are generate's; refused in one line with --np or without --model."""
+    d = str(tmp_path / "m")
+    write_tiny_checkpoint(d, num_lanes=4)
+    r = kog("bench", "--backend", "cpu", "--model", d, "--reps", "1", "--pp", "8", "--gen", "6", "--baselines", "none",
+            "--text", "Hello there", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    g = kog("generate", "--backend", "cpu", "--model", d, "--raw", "--prompt", "Hello there", "-n", "6", "--json")
+    assert g.returncode == 0, g.stderr
+    gen = json.loads(g.stdout)
+    assert rep["monokernel"]["tg"]["prompt"] == gen["prompt_tokens"] == len(rep["args"]["text_ids"])
+    assert rep["monokernel"]["tg"]["ids_head"][:len(gen["token_ids"])] == gen["token_ids"]
+    for extra in (("--np", "2"), ("--speculative", "4")):
+        e = kog("bench", "--backend", "cpu", "--model", d, "--text", "hi", *extra)
+        assert e.returncode == 2 and len(e.stderr.strip().splitlines()) == 1 and "--text takes --model" in e.stderr
+    e = kog("bench", "--shape", "smollm2-135m", "--text", "hi")
+    assert e.returncode == 2 and "--text takes --model" in e.stderr, e.stderr
