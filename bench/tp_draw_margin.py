@@ -24,16 +24,12 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 def margins(logits, ids, sp, P, matcher):
     """(replay ids, u's distance to the nearest cumulative boundary, per token) from one rank's logits."""
-    from kog_dist.sampling import filtered_distribution, uniform
+    from kog_dist.sampling import draw
     out, dist = [], []
     for i, t in enumerate(ids):
-        lg = matcher.mask(logits[i]) if matcher is not None else logits[i]
-        order, q = filtered_distribution(lg, sp)
-        c = np.cumsum(q)
-        u = uniform(sp.seed, P + i)
-        k = min(int(np.searchsorted(c, u, side="right")), c.size - 1)
-        out.append(int(order[k]))
-        dist.append(float(min(u - (c[k - 1] if k else 0.0), c[k] - u)))
+        tok, margin = draw(matcher.mask(logits[i]) if matcher is not None else logits[i], sp, P + i)
+        out.append(tok)
+        dist.append(margin)
         if matcher is not None:
             matcher.accept(t)
     return out, dist

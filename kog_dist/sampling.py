@@ -97,10 +97,17 @@ def filtered_distribution(logits: np.ndarray, p: SamplingParams) -> tuple[np.nda
     return order, q
 
 
+def draw(logits: np.ndarray, params: SamplingParams, counter: int) -> tuple[int, float]:
+    """The sampled token and u's distance to the nearest end of its interval of the cumulative distribution
+    (how far the logits could move before another token is drawn: tests of rank counts, bench/tp_draw_margin.py)."""
+    order, q = filtered_distribution(logits, params)
+    u = uniform(params.seed, counter)
+    c = np.cumsum(q)
+    k = min(int(np.searchsorted(c, u, side="right")), order.size - 1)  # first cumulative value > u
+    return int(order[k]), float(min(u - (c[k - 1] if k else 0.0), c[k] - u))
+
+
 def sample(logits: np.ndarray, params: SamplingParams, counter: int) -> int:
     if params.greedy:
         return argmax_lowest(logits)
-    order, q = filtered_distribution(logits, params)
-    u = uniform(params.seed, counter)
-    i = int(np.searchsorted(np.cumsum(q), u, side="right"))  # first cumulative value > u
-    return int(order[min(i, order.size - 1)])
+    return draw(logits, params, counter)[0]

@@ -231,7 +231,7 @@ def _one_rank_draws(ids, sp, schema, n):
     from kog_dist.backend import RunCommand
     from kog_dist.formats import open_model
     from kog_dist.grammar import compile_format
-    from kog_dist.sampling import filtered_distribution, uniform
+    from kog_dist.sampling import draw
     from kog_dist.tokenizer import load_tokenizer
     from workers.cuda.backend import CudaBackend
     src = open_model(default_gguf_path(), progress=False)
@@ -249,12 +249,9 @@ def _one_rank_draws(ids, sp, schema, n):
     m = g.matcher() if g else None
     dist = []
     for i, t in enumerate(r.token_ids):
-        order, q = filtered_distribution(m.mask(logits[i]) if m else logits[i], sp)
-        c = np.cumsum(q)
-        u = uniform(sp.seed, len(ids) + i)
-        k = min(int(np.searchsorted(c, u, side="right")), c.size - 1)
-        assert int(order[k]) == t, (i, int(order[k]), t)     # the kernel drew by the rule from its own logits
-        dist.append(min(u - (c[k - 1] if k else 0.0), c[k] - u))
+        tok_i, margin = draw(m.mask(logits[i]) if m else logits[i], sp, len(ids) + i)
+        assert tok_i == t, (i, tok_i, t)     # the kernel drew by the rule from its own logits
+        dist.append(margin)
         if m:
             m.accept(t)
     return r.token_ids, dist

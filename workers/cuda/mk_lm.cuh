@@ -98,10 +98,10 @@ __device__ void phase_lm(const Params& p, float* sm, int n, int tok) {
 #if CFG_MASK
   // several ranks: the mask on the rank's rows (greedy: its masked argmax); a rank without its mask posts that in
   // the exchange below, and every rank then ends at this token with no token (-1)
-  const int mv0 = min(V, 2 * (int)kds.rank * U_LM), mv1 = min(V, 2 * ((int)kds.rank + 1) * U_LM);
+  const int2 mrows = mr_vocab_rows((int)kds.rank);
   float mbest = NEG_INF;
   int mbesti = 0x7fffffff;
-  const bool have_mask = mask_rows(p, sm, n, greedy, mv0, mv1, mbest, mbesti);
+  const bool have_mask = mask_rows(p, sm, n, greedy, mrows.x, mrows.y, mbest, mbesti);
 #endif
   if (greedy) {
     float bb = NEG_INF;

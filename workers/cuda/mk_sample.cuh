@@ -283,6 +283,10 @@ __device__ __noinline__ int sample_full(const Params& p_, float* sm, u64 counter
 // any rank left out are the first of the full order, so the draw from them is one rank's draw. Past them
 // (rare: a flat distribution, a tail draw) every rank posts its shard's logits and samples from all V.
 constexpr int MR_KEYS = SAMPLE_M / NRK < SCAND ? SAMPLE_M / NRK : SCAND;
+// rank rk's rows of the LM head, [x, y) (phase_lm: U_LM units a rank, two rows a unit)
+__device__ __forceinline__ int2 mr_vocab_rows(int rk) {
+  return make_int2(min(V, 2 * rk * U_LM), min(V, 2 * (rk + 1) * U_LM));
+}
 #if CFG_MASK
 constexpr int MASK_NONE = -2;   // the count (or greedy's index) a rank posts when its mask did not come
 #endif
@@ -303,7 +307,8 @@ __device__ __noinline__ int sample_full_mr(const Params& p_, float* sm, u64 coun
 #endif
   const Params& p = NOINL_PARAMS(p_);
   const int tid = threadIdx.x, rk = (int)kds.rank;
-  const int v0 = min(V, 2 * rk * U_LM), v1 = min(V, 2 * (rk + 1) * U_LM);   // the rank's rows (phase_lm)
+  const int2 rows = mr_vocab_rows(rk);
+  const int v0 = rows.x, v1 = rows.y;
   const u64 fe = (u64)(p.e0[2] + n);
   const unsigned ftag = (unsigned)fe;
   const long long foff = mr_ll_off(CH_FIN, rk, fe);
